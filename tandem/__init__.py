@@ -13,4 +13,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["LLM", "SamplingParams", "AsyncEngine", "EngineConfig", "__version__"]
+
+_LAZY = {
+    "LLM": "tandem.llm",
+    "SamplingParams": "tandem.sampling_params",
+    "AsyncEngine": "tandem.engine.async_engine",
+    "EngineConfig": "tandem.config",
+}
+
+
+def __getattr__(name: str):
+    """Lazy exports: `tandem --help` should not pay for importing torch."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tandem' has no attribute {name!r}")

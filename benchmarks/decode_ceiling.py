@@ -1,0 +1,43 @@
+"""Single-stream decode tok/s vs the weight-bandwidth ceiling, measured in one run.
+
+ceiling = read bandwidth (measured here) / bytes of weights read per decode step.
+Target (issue 2): >= 75% at fp32.
+
+    .venv/bin/python benchmarks/decode_ceiling.py [--tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from common import read_bandwidth_gbs, set_threads, weight_bytes_per_step
+
+from tandem import LLM, SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args()
+    set_threads(a.threads)
+    llm = LLM(kv_cache_memory="512MiB", num_threads=a.threads)
+    params = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True)
+    llm.generate("Warm-up.", SamplingParams(max_tokens=8, ignore_eos=True))
+    best = 0.0
+    for _ in range(a.repeats):
+        m = llm.generate("The history of the printing press", params)[0].metrics
+        best = max(best, m.decode_tokens_per_s)
+    bw = read_bandwidth_gbs()
+    wbytes = weight_bytes_per_step(llm.engine.model)
+    ceiling = bw * 1e9 / wbytes
+    print(f"read bandwidth          {bw:8.1f} GB/s")
+    print(f"weights read per step   {wbytes / 1e6:8.1f} MB (fp32)")
+    print(f"ceiling                 {ceiling:8.1f} tok/s")
+    print(f"tandem single stream    {best:8.1f} tok/s (best of {a.repeats}, {a.tokens} tokens)")
+    print(f"ratio vs ceiling        {best / ceiling:8.2f}  (target >= 0.75)")
+
+
+if __name__ == "__main__":
+    main()

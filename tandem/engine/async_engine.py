@@ -1,0 +1,138 @@
+"""AsyncEngine: the step loop in a background thread, one async stream per request.
+
+Many callers (HTTP handlers, tasks) overlap: each ``generate`` call validates
+and tokenizes its request in the caller's thread, hands it to the engine thread
+and awaits its deltas. The engine thread alone touches the scheduler and the
+KV cache; new requests and aborts reach it through a lock-protected inbox that
+it drains between steps. torch releases the GIL inside its ops, so the event
+loop stays responsive while a step runs.
+
+Abort on disconnect: if the consumer stops iterating (client gone, task
+cancelled), the generator's ``finally`` aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Sequence
+
+from tandem.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.request import Request
+from tandem.outputs import RequestOutput
+from tandem.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; requests in flight at the time were failed with it."""
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None,
+                 **kwargs) -> None:
+        self.engine = engine or LLMEngine(config, **kwargs)
+        self._cond = threading.Condition()
+        self._new: list[Request] = []
+        self._aborts: list[str] = []
+        # request id -> (event loop, queue) of the awaiting caller
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ caller side
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield this request's outputs as steps produce them; the last has finished=True.
+
+        Raises ValueError at once for bad input (before anything is queued).
+        """
+        req = self.engine.make_request(prompt, params, request_id)
+        rid = req.request_id
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._cond:
+            if self._stopped:
+                raise EngineDeadError("the engine is shut down")
+            if rid in self._streams:
+                raise ValueError(f"request id {rid!r} is already in use")
+            self._streams[rid] = (asyncio.get_running_loop(), queue)
+            self._new.append(req)
+            self._cond.notify()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    @property
+    def num_pending(self) -> int:
+        """Requests handed over but not yet seen by the engine thread."""
+        return len(self._new)
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------ engine side
+    def _deliver(self, rid: str, item: RequestOutput | BaseException, last: bool) -> None:
+        entry = self._streams.pop(rid, None) if last else self._streams.get(rid)
+        if entry is not None:
+            loop, queue = entry
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening
+                pass
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not (self._stopped or self._new or self._aborts
+                           or engine.has_unfinished_requests()):
+                    self._cond.wait()
+                if self._stopped:
+                    break
+                new, self._new = self._new, []
+                aborts, self._aborts = self._aborts, []
+            for req in new:
+                engine.add_request(req)
+            for rid in aborts:
+                engine.abort_request(rid)
+                with self._cond:
+                    self._streams.pop(rid, None)
+            try:
+                outputs = engine.step()
+            except Exception as e:  # fail what is in flight, keep serving new requests
+                logger.exception("engine step failed")
+                for rid in list(engine.requests):
+                    engine.abort_request(rid)
+                    self._deliver(rid, EngineDeadError(f"engine step failed: {e}"), True)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out, out.finished)
+        for rid in list(engine.requests):
+            engine.abort_request(rid)
+            self._deliver(rid, EngineDeadError("the engine is shut down"), True)

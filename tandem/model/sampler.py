@@ -1,0 +1,479 @@
+"""Batched sampling on tensors: penalties, temperature, top-k/top-p/min-p, logprobs.
+
+Why it looks the way it does (measured on our 2-core CPU, batch 16, 49k vocab):
+`torch.multinomial` costs ~28-50 ms, a full-vocabulary sort ~36 ms, drawing
+Exp(1) noise ~21 ns per element (16 ms for the full [16, 49k] tensor) and even
+`argmax` ~0.8 ms, while `amax` and `exp` stream through the same tensor in
+~0.05-0.15 ms. So:
+
+* Greedy rows use a blocked argmax (per-block `amax`, then an argmax inside the
+  winning block): ~10x cheaper than `argmax`, same first-index tie rule.
+* Random rows use the exponential race (argmax of p_i / E_i, E_i ~ Exp(1)),
+  done hierarchically: race over block masses, then within the winning block.
+  P(token) = P(block) * P(token | block), so it is exact, yet it needs only
+  ~450 noise draws per row instead of one per vocabulary entry.
+* Top-k and top-p become a per-row logit threshold: one `torch.topk` prefilter
+  (k = the batch's largest top_k, or `TOP_P_PREFILTER` for top-p-only rows)
+  gives the cutoff value; the dense logits are masked against it. A top-p row
+  whose prefilter mass falls short of top_p is recomputed with an exact full
+  sort, so the result never depends on the prefilter size.
+* Seeded rows draw their noise from their own generator with a shape that
+  depends only on the vocabulary size, indexed by token position (not by
+  rank), so the same seed gives the same tokens whatever else is in the batch
+  and whichever path (prefilter or fallback) the row takes.
+
+Order (vLLM's): min_tokens masking, repetition/frequency/presence penalties,
+then argmax for greedy rows, or temperature -> top-k -> top-p -> min-p -> race.
+Logprobs are log_softmax of the raw model logits, before any of that (vLLM V1's
+default "raw_logprobs").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+
+import torch
+
+from tandem.sampling_params import _SAMPLING_EPS, SamplingParams
+
+# Block size of the blocked argmax and of the hierarchical race: 49,152 = 192 x 256,
+# so a row costs 192 block noise draws + 256 in-block draws.
+BLOCK = 256
+# Candidates kept for rows with top_p < 1 and no top_k. Larger costs more topk
+# time on every such row; smaller sends more rows to the exact full-sort fallback.
+TOP_P_PREFILTER = 256
+# Exp(1) draws can be exactly 0 on CPU; p / 0 would be inf (or nan for a masked
+# token), so clamp the noise away from zero (bias ~1e-38, i.e. none).
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step batch sampling state, built once per step from the requests.
+
+    Rows are the rows of the logits. "Random rows" are the non-greedy rows; the
+    per-row tensors `temperature`, `top_k`, `top_p`, `min_p` are aligned with
+    `random_rows` (length R), not with the batch. A tensor that no row needs is
+    None, which is also the flag that skips its work in the sampler.
+    """
+
+    num_rows: int
+    vocab_size: int
+    all_greedy: bool
+    all_random: bool
+    # Index tensors, None when the batch is all greedy / all random.
+    greedy_rows: torch.Tensor | None
+    random_rows: torch.Tensor | None
+    # Random rows only ([R]); None when all_greedy.
+    temperature: torch.Tensor | None
+    top_k: torch.Tensor | None  # int64, 0 = off; None: no random row uses top-k
+    top_p: torch.Tensor | None  # float32, 1.0 = off; None: no random row uses top-p
+    min_p: torch.Tensor | None  # float32, 0.0 = off; None: no random row uses min-p
+    max_top_k: int  # largest enabled top_k (0 when none)
+    # Random rows that use top-k or top-p (positions within the random rows);
+    # None when every random row does.
+    filter_rows: torch.Tensor | None
+    # Position within the random rows -> that request's generator.
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    # Penalties: rows using any, and their [P] values; counts/masks are [P, V].
+    no_penalties: bool = True
+    penalty_rows: torch.Tensor | None = None
+    repetition_penalties: torch.Tensor | None = None
+    presence_penalties: torch.Tensor | None = None
+    frequency_penalties: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None  # bool, token occurs in the prompt
+    output_counts: torch.Tensor | None = None  # float32, occurrences in the output
+    # min_tokens: (rows, token ids) whose logits are set to -inf this step.
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Logprobs: K = the largest requested count; rows that asked (None: all).
+    max_num_logprobs: int | None = None
+    logprob_rows: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None] | None,
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        eos_token_id: int | None,
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ) -> SamplingMetadata:
+        """Collect the step's per-request parameters into tensors.
+
+        O(B) Python when no request uses penalties or min_tokens: the token
+        lists are only read (their lengths for min_tokens, their contents for
+        penalties) by the requests that need them.
+        """
+        num_rows = len(params)
+        v = vocab_size
+        greedy_rows: list[int] = []
+        random_rows: list[int] = []
+        temps: list[float] = []
+        top_ks: list[int] = []
+        top_ps: list[float] = []
+        min_ps: list[float] = []
+        gens: dict[int, torch.Generator] = {}
+        lp_rows: list[int] = []
+        max_lp = -1
+        pen_rows: list[int] = []
+        mt_rows: list[int] = []
+        mt_cols: list[int] = []
+        for i, p in enumerate(params):
+            if p.temperature < _SAMPLING_EPS:
+                greedy_rows.append(i)
+            else:
+                if generators is not None and generators[i] is not None:
+                    gens[len(random_rows)] = generators[i]  # type: ignore[assignment]
+                random_rows.append(i)
+                temps.append(p.temperature)
+                top_ks.append(p.top_k if 0 < p.top_k < v else 0)
+                top_ps.append(p.top_p)
+                min_ps.append(p.min_p)
+            if p.logprobs is not None:
+                lp_rows.append(i)
+                max_lp = max(max_lp, p.logprobs)
+            if (
+                p.repetition_penalty != 1.0
+                or p.presence_penalty != 0.0
+                or p.frequency_penalty != 0.0
+            ):
+                pen_rows.append(i)
+            if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
+                # vLLM masks EOS under min_tokens even with ignore_eos (EOS is
+                # always in its all_stop_token_ids), plus the stop token ids.
+                stops = set(p.stop_token_ids or ())
+                if eos_token_id is not None:
+                    stops.add(eos_token_id)
+                stops = {t for t in stops if 0 <= t < v}
+                mt_rows.extend([i] * len(stops))
+                mt_cols.extend(stops)
+
+        def idx(rows: list[int]) -> torch.Tensor:
+            return torch.tensor(rows, dtype=torch.long, device=device)
+
+        n_random = len(random_rows)
+        all_greedy = n_random == 0
+        all_random = n_random == num_rows
+        temperature = top_k = top_p = min_p = filter_rows = None
+        max_top_k = 0
+        if not all_greedy:
+            temperature = torch.tensor(temps, dtype=torch.float32, device=device)
+            max_top_k = max(top_ks)
+            uses_top_p = [tp < 1.0 for tp in top_ps]
+            if max_top_k > 0:
+                top_k = torch.tensor(top_ks, dtype=torch.long, device=device)
+            if any(uses_top_p):
+                top_p = torch.tensor(top_ps, dtype=torch.float32, device=device)
+            if any(mp > 0.0 for mp in min_ps):
+                min_p = torch.tensor(min_ps, dtype=torch.float32, device=device)
+            if top_k is not None or top_p is not None:
+                filt = [r for r in range(n_random) if top_ks[r] > 0 or uses_top_p[r]]
+                if len(filt) < n_random:
+                    filter_rows = idx(filt)
+
+        meta = cls(
+            num_rows=num_rows,
+            vocab_size=v,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            greedy_rows=None if all_greedy or all_random else idx(greedy_rows),
+            random_rows=None if all_greedy or all_random else idx(random_rows),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            max_top_k=max_top_k,
+            filter_rows=filter_rows,
+            generators=gens,
+        )
+        if lp_rows:
+            meta.max_num_logprobs = max_lp
+            if len(lp_rows) < num_rows:
+                meta.logprob_rows = idx(lp_rows)
+        if mt_rows:
+            meta.min_tokens_mask = (idx(mt_rows), idx(mt_cols))
+        if pen_rows:
+            meta._build_penalties(params, pen_rows, prompt_token_ids, output_token_ids, device)
+        return meta
+
+    def _build_penalties(
+        self,
+        params: Sequence[SamplingParams],
+        rows: list[int],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        device: torch.device | str,
+    ) -> None:
+        """Token counts for the penalty rows: one flat id tensor + one scatter each."""
+        v = self.vocab_size
+        n = len(rows)
+        sel = [params[i] for i in rows]
+        self.no_penalties = False
+        self.penalty_rows = torch.tensor(rows, dtype=torch.long, device=device)
+
+        def flat(seqs: list[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+            lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+            ids = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long)
+            row = torch.repeat_interleave(torch.arange(n), lengths)
+            # Ids outside the vocabulary (never sampled) land in a spare column.
+            ids = torch.where((ids >= 0) & (ids < v), ids, v)
+            return row.to(device), ids.to(device)
+
+        counts = torch.zeros(n, v + 1, dtype=torch.float32, device=device)
+        r, c = flat([output_token_ids[i] for i in rows])
+        counts.index_put_((r, c), torch.ones_like(c, dtype=torch.float32), accumulate=True)
+        self.output_counts = counts[:, :v]
+
+        def values(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(p, name) for p in sel], dtype=torch.float32,
+                                device=device).unsqueeze(1)
+
+        if any(p.repetition_penalty != 1.0 for p in sel):
+            self.repetition_penalties = values("repetition_penalty")
+            mask = torch.zeros(n, v + 1, dtype=torch.bool, device=device)
+            r, c = flat([prompt_token_ids[i] for i in rows])
+            mask[r, c] = True
+            self.prompt_mask = mask[:, :v]
+        if any(p.presence_penalty != 0.0 for p in sel):
+            self.presence_penalties = values("presence_penalty")
+        if any(p.frequency_penalty != 0.0 for p in sel):
+            self.frequency_penalties = values("frequency_penalty")
+
+
+@dataclass
+class SamplerOutput:
+    """One step's sampled tokens (and logprobs when any row asked).
+
+    `logprobs[:, 0]` is the sampled token's logprob, then the top-K in
+    descending order (K = the batch's largest request); `logprob_token_ids`
+    holds the matching ids. Rows that did not ask hold NaN / -1; a row that
+    asked for k < K uses the first k + 1 columns.
+    """
+
+    sampled_token_ids: torch.Tensor  # int64 [B]
+    logprobs: torch.Tensor | None = None  # float32 [B, K+1]
+    logprob_token_ids: torch.Tensor | None = None  # int64 [B, K+1]
+
+
+class Sampler(torch.nn.Module):
+    """Turns a step's last-position logits into one token id per row."""
+
+    @torch.inference_mode()
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        raw = logits
+        logits = self._process_logits(logits, meta)
+        if meta.all_greedy:
+            sampled = blocked_argmax(logits)
+        elif meta.all_random:
+            sampled = self._sample_random(logits, meta)
+        else:
+            assert meta.greedy_rows is not None and meta.random_rows is not None
+            sampled = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+            sampled[meta.greedy_rows] = blocked_argmax(logits.index_select(0, meta.greedy_rows))
+            sampled[meta.random_rows] = self._sample_random(
+                logits.index_select(0, meta.random_rows), meta
+            )
+        out = SamplerOutput(sampled_token_ids=sampled)
+        if meta.max_num_logprobs is not None:
+            out.logprobs, out.logprob_token_ids = _gather_logprobs(raw, sampled, meta)
+        return out
+
+    @staticmethod
+    def _process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """min_tokens mask, then penalties; copies the logits only when either applies."""
+        logits = logits.float()
+        if meta.min_tokens_mask is None and meta.no_penalties:
+            return logits
+        logits = logits.clone()
+        if meta.min_tokens_mask is not None:
+            logits[meta.min_tokens_mask] = -math.inf
+        if not meta.no_penalties:
+            assert meta.penalty_rows is not None and meta.output_counts is not None
+            sub = logits.index_select(0, meta.penalty_rows)
+            counts = meta.output_counts
+            if meta.repetition_penalties is not None:
+                assert meta.prompt_mask is not None
+                rp = meta.repetition_penalties
+                seen = meta.prompt_mask | (counts > 0)
+                sub = torch.where(seen, torch.where(sub > 0, sub / rp, sub * rp), sub)
+            if meta.frequency_penalties is not None:
+                sub = sub - meta.frequency_penalties * counts
+            if meta.presence_penalties is not None:
+                sub = sub - meta.presence_penalties * (counts > 0).float()
+            logits.index_copy_(0, meta.penalty_rows, sub)
+        return logits
+
+    @staticmethod
+    def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p, then the hierarchical exponential race."""
+        assert meta.temperature is not None
+        x = logits / meta.temperature.unsqueeze(1)  # a fresh tensor: in-place is safe below
+        thr = None
+        if meta.top_k is not None or meta.top_p is not None:
+            thr = _top_k_top_p_threshold(x, meta)
+        row_max = x.amax(dim=-1, keepdim=True)
+        if meta.min_p is not None:
+            # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p): no softmax needed.
+            thr_m = row_max.squeeze(1) + torch.log(meta.min_p)
+            thr = thr_m if thr is None else torch.maximum(thr, thr_m)
+        if thr is not None:
+            x.masked_fill_(x < thr.unsqueeze(1), -math.inf)
+        weights = x.sub_(row_max).exp_()  # unnormalised probabilities
+        return _hierarchical_race(weights, meta.generators)
+
+
+def blocked_argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax (first index on ties), via per-block amax.
+
+    `torch.argmax` over [16, 49k] measured ~0.8 ms against ~0.05 ms for `amax`;
+    reducing to block maxima first and arg-maxing inside one block per row is
+    ~10x faster and returns the same index.
+    """
+    x = x.contiguous()
+    rows, v = x.shape
+    nb = v // BLOCK
+    if nb < 2:
+        return x.argmax(dim=-1)
+    block_max = x.as_strided((rows, nb, BLOCK), (v, BLOCK, 1)).amax(dim=-1)
+    if v > nb * BLOCK:
+        block_max = torch.cat([block_max, x[:, nb * BLOCK :].amax(dim=-1, keepdim=True)], 1)
+    idx = _block_indices(block_max.argmax(dim=-1), v)
+    # Clamped duplicates of index v-1 come after the real one: first-index rule holds.
+    best = x.gather(1, idx).argmax(dim=-1, keepdim=True)
+    return idx.gather(1, best).squeeze(1)
+
+
+def _block_indices(block: torch.Tensor, v: int) -> torch.Tensor:
+    """Token ids of each row's block ([R, BLOCK]), clamped into the vocabulary."""
+    offs = torch.arange(BLOCK, device=block.device)
+    return (block.unsqueeze(1) * BLOCK + offs).clamp_(max=v - 1)
+
+
+def _hierarchical_race(
+    weights: torch.Tensor, generators: dict[int, torch.Generator]
+) -> torch.Tensor:
+    """Sample row i with probability weights[i] / weights[i].sum(), exactly.
+
+    Race over block masses (argmax mass_b / E_b picks block b with probability
+    mass_b / total), then over the weights inside the chosen block. Noise is
+    [R, n_blocks + BLOCK]: one batched draw, then seeded rows overwrite their
+    row from their own generator, so their draw count depends only on V.
+    """
+    rows, v = weights.shape
+    nb = v // BLOCK
+    mass = weights.as_strided((rows, nb, BLOCK), (v, BLOCK, 1)).sum(dim=-1)
+    has_tail = v > nb * BLOCK
+    if has_tail:
+        mass = torch.cat([mass, weights[:, nb * BLOCK :].sum(dim=-1, keepdim=True)], 1)
+    n_blocks = mass.shape[1]
+    noise = torch.empty(rows, n_blocks + BLOCK, device=weights.device)
+    noise.exponential_()
+    for row, gen in generators.items():
+        noise[row].exponential_(generator=gen)
+    noise.clamp_(min=_TINY)
+    block = (mass / noise[:, :n_blocks]).argmax(dim=-1)
+    idx = _block_indices(block, v)
+    w = weights.gather(1, idx)
+    if has_tail:
+        # Clamped duplicates of the last token must not add to its chances.
+        offs = torch.arange(BLOCK, device=weights.device)
+        w.masked_fill_(block.unsqueeze(1) * BLOCK + offs >= v, 0.0)
+    pick = (w / noise[:, n_blocks:]).argmax(dim=-1, keepdim=True)
+    return idx.gather(1, pick).squeeze(1)
+
+
+def _top_k_top_p_threshold(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Per random row, the smallest scaled logit that top-k then top-p keep (-inf: all).
+
+    Top-p follows vLLM: on the top-k-renormalised distribution, keep a token
+    when the mass of the tokens ranked above it is < top_p (at least one).
+    """
+    rows_all, v = x.shape
+    sub = meta.filter_rows
+    xs = x if sub is None else x.index_select(0, sub)
+    n = xs.shape[0]
+    top_k = meta.top_k if meta.top_k is None or sub is None else meta.top_k[sub]
+    top_p = meta.top_p if meta.top_p is None or sub is None else meta.top_p[sub]
+    k_pref = meta.max_top_k
+    if top_p is not None:
+        k_pref = max(k_pref, TOP_P_PREFILTER)
+    k_pref = min(k_pref, v)
+    vals = torch.topk(xs, k_pref, dim=-1).values  # descending
+    thr = torch.full((n,), -math.inf, device=x.device)
+    kk = None
+    if top_k is not None:
+        k_on = top_k > 0
+        kk = torch.where(k_on, top_k, k_pref)
+        thr = torch.where(k_on, vals.gather(1, (kk - 1).unsqueeze(1)).squeeze(1), thr)
+    if top_p is not None:
+        p_on = top_p < 1.0
+        if kk is not None:
+            ranks = torch.arange(k_pref, device=x.device)
+            vals_k = vals.masked_fill(ranks >= kk.unsqueeze(1), -math.inf)
+            # Top-k rows renormalise over their k candidates; others over the vocabulary.
+            lse = torch.where(k_on, torch.logsumexp(vals_k, -1), torch.logsumexp(xs, -1))
+        else:
+            vals_k = vals
+            lse = torch.logsumexp(xs, -1)
+        probs = (vals_k - lse.unsqueeze(1)).exp_()
+        csum = probs.cumsum(dim=-1)
+        n_keep = ((csum - probs) < top_p.unsqueeze(1)).sum(-1).clamp_(min=1)
+        if kk is not None:
+            n_keep = torch.minimum(n_keep, kk)
+        thr_p = vals.gather(1, (n_keep - 1).unsqueeze(1)).squeeze(1)
+        thr = torch.where(p_on, torch.maximum(thr, thr_p), thr)
+        # Exactness: a top-p-only row whose candidates hold less than top_p of
+        # the mass may need tokens past the prefilter; sort that row fully.
+        short = p_on & (csum[:, -1] < top_p)
+        if kk is not None:
+            short &= ~k_on
+        if k_pref < v and bool(short.any()):
+            fb = short.nonzero().squeeze(1)
+            thr[fb] = _top_p_threshold_full(xs.index_select(0, fb), top_p[fb])
+    if sub is None:
+        return thr
+    full = torch.full((rows_all,), -math.inf, device=x.device)
+    full[sub] = thr
+    return full
+
+
+def _top_p_threshold_full(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Exact top-p cutoff value by a full sort (the rare fallback)."""
+    vals = torch.sort(x, dim=-1, descending=True).values
+    probs = torch.softmax(vals, dim=-1)
+    csum = probs.cumsum(dim=-1)
+    n_keep = ((csum - probs) < top_p.unsqueeze(1)).sum(-1).clamp_(min=1)
+    return vals.gather(1, (n_keep - 1).unsqueeze(1)).squeeze(1)
+
+
+def _gather_logprobs(
+    raw: torch.Tensor, sampled: torch.Tensor, meta: SamplingMetadata
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, K+1] logprobs and ids: the sampled token, then the top-K (raw logits)."""
+    k = meta.max_num_logprobs
+    assert k is not None
+    rows = meta.logprob_rows
+    src = raw if rows is None else raw.index_select(0, rows)
+    tok = sampled if rows is None else sampled.index_select(0, rows)
+    lp = torch.log_softmax(src.float(), dim=-1)
+    lps = [lp.gather(1, tok.unsqueeze(1))]
+    ids = [tok.unsqueeze(1)]
+    if k > 0:
+        top = torch.topk(lp, min(k, lp.shape[1]), dim=-1)
+        lps.append(top.values)
+        ids.append(top.indices)
+    out_lp = torch.cat(lps, 1)
+    out_ids = torch.cat(ids, 1)
+    if rows is None:
+        return out_lp, out_ids
+    b = meta.num_rows
+    full_lp = torch.full((b, out_lp.shape[1]), math.nan, device=raw.device)
+    full_ids = torch.full((b, out_ids.shape[1]), -1, dtype=torch.long, device=raw.device)
+    full_lp[rows] = out_lp
+    full_ids[rows] = out_ids
+    return full_lp, full_ids

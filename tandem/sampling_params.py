@@ -1,0 +1,154 @@
+"""Per-request sampling parameters (vLLM's names, defaults and valid ranges).
+
+Validation happens here, at the edge, so the sampler and the engine can trust
+every field: a bad value is a ValueError with a message naming the field (the
+HTTP layer turns it into a 400), never an assert deep inside a step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# vLLM's threshold: below it, temperature means greedy (argmax) decoding.
+_SAMPLING_EPS = 1e-5
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request, and when to stop.
+
+    `stop` and `stop_token_ids` are normalised to lists. A greedy request
+    (temperature < 1e-5) has top_p/top_k/min_p reset to their neutral values,
+    as vLLM does, so the sampler never does filtering work for it.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    max_tokens: int | None = 16  # None: until the context window is full
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None  # top logprobs to return besides the sampled token
+
+    def __post_init__(self) -> None:
+        self._check_int("n", self.n, minimum=1)
+        self._check_float("temperature", self.temperature, lo=0.0)
+        self._check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not _is_int(self.top_k):
+            raise ValueError(f"top_k must be an integer, got {self.top_k!r}.")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or at least 1, got {self.top_k}.")
+        self._check_float("min_p", self.min_p, lo=0.0, hi=1.0)
+        self._check_float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        self._check_float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        self._check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(
+                f"repetition_penalty must be greater than 0, got {self.repetition_penalty}."
+            )
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}.")
+        if self.max_tokens is not None:
+            self._check_int("max_tokens", self.max_tokens, minimum=1)
+        self._check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be less than or equal to "
+                f"max_tokens ({self.max_tokens})."
+            )
+        if self.logprobs is not None:
+            self._check_int("logprobs", self.logprobs, minimum=0)
+
+        if self.stop is None:
+            stop: list[str] = []
+        elif isinstance(self.stop, str):
+            stop = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
+        for s in stop:
+            if not isinstance(s, str):
+                raise ValueError(f"stop strings must be strings, got {s!r}.")
+            if not s:
+                raise ValueError("stop strings must not be empty.")
+        self.stop = stop
+
+        if self.stop_token_ids is None:
+            stop_ids: list[int] = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            stop_ids = list(self.stop_token_ids)
+        else:
+            raise ValueError(
+                f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}."
+            )
+        for t in stop_ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}.")
+        self.stop_token_ids = stop_ids
+
+        if self.greedy:
+            # As vLLM: filtering is meaningless for argmax; neutral values keep
+            # the sampler's "no top-k / no top-p" fast paths.
+            self.top_p = 1.0
+            self.top_k = 0
+            self.min_p = 0.0
+
+    @staticmethod
+    def _check_int(name: str, value: object, minimum: int) -> None:
+        if not _is_int(value):
+            raise ValueError(f"{name} must be an integer, got {value!r}.")
+        if value < minimum:  # type: ignore[operator]
+            raise ValueError(f"{name} must be at least {minimum}, got {value}.")
+
+    @staticmethod
+    def _check_float(
+        name: str, value: object, lo: float | None = None, hi: float | None = None
+    ) -> None:
+        if not _is_number(value) or not math.isfinite(value):  # type: ignore[arg-type]
+            raise ValueError(f"{name} must be a finite number, got {value!r}.")
+        if lo is not None and value < lo:  # type: ignore[operator]
+            if hi is None:
+                raise ValueError(f"{name} must be at least {lo}, got {value}.")
+            raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}.")
+        if hi is not None and value > hi:  # type: ignore[operator]
+            raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}.")
+
+    @property
+    def greedy(self) -> bool:
+        """Argmax decoding (vLLM's rule: temperature below 1e-5)."""
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether the sampler must build token-count tensors for this request."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0

@@ -1,0 +1,104 @@
+"""The model's tokenizer and chat template, loaded from an HF model directory.
+
+A thin wrapper over transformers' fast tokenizer: the engine needs a handful
+of operations with plain ``list[int]`` results and ValueErrors for user
+mistakes, not the whole PreTrainedTokenizer surface. GGUF files reach here via
+``tandem.model.gguf.gguf_to_hf_dir``, which saves the tokenizer in this layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from jinja2 import TemplateError
+
+
+class Tokenizer:
+    """encode / decode / chat template for one model; ``backend`` is the raw Rust tokenizer."""
+
+    def __init__(self, hf_tokenizer, generation_eos: list[int] | None = None):
+        self._hf = hf_tokenizer
+        self.backend = hf_tokenizer.backend_tokenizer  # tokenizers.Tokenizer (DecodeStream)
+        self.eos_token_id: int | None = hf_tokenizer.eos_token_id
+        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        # Token count the tokenizer can emit; the model's embedding may be larger (padded).
+        self.vocab_size: int = len(hf_tokenizer)
+        self.all_special_ids: list[int] = list(hf_tokenizer.all_special_ids)
+        stops = [self.eos_token_id] if self.eos_token_id is not None else []
+        stops += [i for i in generation_eos or [] if i not in stops]
+        self.stop_token_ids: list[int] = stops
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> Tokenizer:
+        """Load tokenizer files (and generation_config.json's eos ids, if any) from ``path``."""
+        from transformers import AutoTokenizer
+
+        path = Path(path)
+        if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+            raise ValueError(f"{path} has no tokenizer.json or tokenizer_config.json")
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path))
+        except Exception as e:
+            raise ValueError(f"cannot load the tokenizer from {path}: {e}") from e
+        if not getattr(hf, "is_fast", False):
+            raise ValueError(f"{path}: need a fast (tokenizers-backed) tokenizer, got {type(hf)}")
+        return cls(hf, _generation_eos(path / "generation_config.json"))
+
+    @property
+    def chat_template(self) -> str | None:
+        template = self._hf.chat_template
+        return template if isinstance(template, str) else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"text to encode must be a str, got {type(text).__name__}")
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template applied to ``messages``, as text."""
+        if not self._hf.chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        _check_messages(messages)
+        try:
+            return self._hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except TemplateError as e:  # e.g. "roles must alternate user/assistant"
+            raise ValueError(f"chat template rejected the messages: {e}") from e
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Prompt token ids for a chat; the template writes its own special tokens (bos too)."""
+        text = self.render_chat(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+
+def _check_messages(messages) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be an object, got {type(m).__name__}")
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise ValueError(f"messages[{i}].role must be a non-empty string")
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}].content must be a string")
+
+
+def _generation_eos(path: Path) -> list[int]:
+    """eos_token_id (int or list) from generation_config.json; [] if absent or unreadable."""
+    try:
+        value = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [i for i in value if isinstance(i, int)]
+    return []

