@@ -1,4 +1,4 @@
-"""tandem's command line: generate | chat | plan (serve, bench and doctor to come)."""
+"""tandem's command line: generate | chat | plan."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import sys
 
 from tandem.config import EngineConfig
+from tandem.plan.cli import register as register_plan
 
 ENGINE_HELP = """\
 engine flags (vLLM's names):
@@ -119,8 +120,8 @@ def _stream(engine, prompt_ids: list[int], params) -> None:
 def cmd_generate(a: argparse.Namespace, chat: bool) -> int:
     from tandem.engine.llm_engine import LLMEngine
 
+    params = sampling_params_from_args(a)  # bad flags fail before the model loads
     engine = LLMEngine(engine_config_from_args(a))
-    params = sampling_params_from_args(a)
     if engine.tokenizer is None:
         raise ValueError("this model has no tokenizer")
     for prompt in a.prompt:
@@ -153,12 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--system", default=None, help="system message")
         add_engine_args(p)
         add_sampling_args(p)
-    try:
-        from tandem.plan.cli import register as register_plan
-    except ImportError:  # pragma: no cover - plan is part of the package
-        register_plan = None
-    if register_plan is not None:
-        register_plan(sub)
+    register_plan(sub)
     return parser
 
 

@@ -191,7 +191,7 @@ def test_cache_root_defaults(monkeypatch, tmp_path):
 
 
 def test_tokenizer_from_dir_without_files(tmp_path):
-    with pytest.raises(ValueError, match="no tokenizer files"):
+    with pytest.raises(ValueError, match="has no tokenizer"):
         Tokenizer.from_dir(tmp_path)
 
 

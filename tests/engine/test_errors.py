@@ -1,0 +1,93 @@
+"""Bad input: a clear ValueError in the library, a one-line error (exit 2) from the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tandem import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(kv_cache_memory="64MiB", max_model_len=256)
+
+
+def test_empty_prompt(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate("")
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]])
+
+
+def test_prompt_longer_than_context_is_an_error_not_truncated(llm):
+    long = "word " * 400
+    with pytest.raises(ValueError, match="maximum context length is 256"):
+        llm.generate(long, SamplingParams(max_tokens=4))
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+])
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_model_path():
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(model="/nonexistent/model.gguf")
+
+
+def test_corrupt_gguf(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    with pytest.raises(ValueError, match="not a valid GGUF"):
+        LLM(model=str(bad))
+
+
+def test_engine_flags_validated():
+    with pytest.raises(ValueError, match="max-num-seqs"):
+        LLM(max_num_seqs=0)
+    with pytest.raises(ValueError, match="memory size"):
+        LLM(kv_cache_memory="lots")
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "tandem.cli", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["generate", "hi", "--model", "/nope.gguf"], "does not exist"),
+    (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
+    (["generate", "hi", "--temperature", "-1"], "temperature"),
+    (["generate", "hi", "--top-p", "2"], "top_p"),
+    (["generate", "", "--max-tokens", "2"], "empty"),
+    (["generate", "hi", "--kv-cache-memory", "1KiB"], "KV cache"),
+])
+def test_cli_errors_are_one_line(args, needle):
+    r = run_cli(*args)
+    assert r.returncode == 2
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_cli_corrupt_gguf(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    r = run_cli("generate", "hi", "--model", str(bad))
+    assert r.returncode == 2 and "not a valid GGUF" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_generates(tmp_path):
+    r = run_cli("chat", "Name a fruit.", "--max-tokens", "6")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    assert "prefill" in r.stderr and "decode" in r.stderr
