@@ -79,6 +79,7 @@ class RequestOutput:
     new_token_ids: list[int]
     delta_text: str
     finished: bool
+    time: float = 0.0  # monotonic time the step that produced this output ended
     new_logprobs: list[dict[int, float]] | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
     metrics: RequestMetrics | None = None

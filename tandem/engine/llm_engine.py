@@ -184,6 +184,7 @@ class LLMEngine:
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 skip_special_tokens=params.skip_special_tokens,
                 prompt_token_ids=ids,
+                min_tokens=params.min_tokens,
             )
         elif params.stop:
             raise ValueError("stop strings need a tokenizer")
@@ -213,7 +214,7 @@ class LLMEngine:
             return None
         self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
         req.times.finished = time.monotonic()
-        return self._output(req, [], "", None)
+        return self._output(req, [], "", None, req.times.finished)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -255,25 +256,27 @@ class LLMEngine:
             elif tok in p.stop_token_ids:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
                 text_tok = False
-        delta = ""
-        if req.detokenizer is not None:
-            if text_tok:
-                stop_str = req.detokenizer.add_token(tok)
-                if stop_str is not None and n_out >= p.min_tokens:
-                    status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-            if status is None and n_out >= req.max_tokens:
-                status = RequestStatus.FINISHED_LENGTH
-            delta = req.detokenizer.take_delta(finished=status is not None)
-        elif status is None and n_out >= req.max_tokens:
+        detok = req.detokenizer
+        if detok is not None and text_tok:
+            stop_str = detok.add_token(tok)  # honours min_tokens itself
+            if stop_str is not None:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+        if status is None and n_out >= req.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
+        delta = "" if detok is None else detok.take_delta(finished=status is not None)
         if status is not None:
             self.scheduler.finish_request(req, status)
             self.requests.pop(req.request_id, None)
             t.finished = now
-        return self._output(req, [tok], delta, logprobs)
+        return self._output(req, [tok], delta, logprobs, now)
 
     def _output(
-        self, req: Request, new_ids: list[int], delta: str, logprobs: dict[int, float] | None
+        self,
+        req: Request,
+        new_ids: list[int],
+        delta: str,
+        logprobs: dict[int, float] | None,
+        now: float,
     ) -> RequestOutput:
         out = RequestOutput(
             request_id=req.request_id,
@@ -281,6 +284,7 @@ class LLMEngine:
             new_token_ids=new_ids,
             delta_text=delta,
             finished=req.status.finished,
+            time=now,
             new_logprobs=None if logprobs is None else [logprobs],
         )
         if out.finished:

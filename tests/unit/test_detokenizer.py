@@ -145,19 +145,15 @@ def test_stop_string_included(tokenizer):
 def test_hold_back_and_release(tokenizer):
     ids = tokenizer.encode(STORY).ids
     d = IncrementalDetokenizer(tokenizer, stop=["never there", "xyz"])
-    held = 0
+    emitted = ""
     for t in ids:
         assert d.add_token(t) is None
-        d.take_delta(finished=False)
-        held = len(d.text) - len(_emitted(d))
-        assert held <= len("never there") - 1
+        emitted += d.take_delta(finished=False)
+        assert len(d.text) - len(emitted) <= len("never there") - 1
+    held = len(d.text) - len(emitted)
     assert held == len("never there") - 1
     assert d.take_delta(finished=True) == STORY[-held:]
     assert d.take_delta(finished=True) == ""
-
-
-def _emitted(d: IncrementalDetokenizer) -> str:
-    return d.text[: len(d.text) - len(d._unsent)]
 
 
 def test_partial_stop_prefix_is_released_when_it_does_not_complete(tokenizer):
@@ -195,3 +191,28 @@ def test_tokens_after_a_stop_are_ignored(tokenizer):
 def test_empty_stop_string_rejected(tokenizer):
     with pytest.raises(ValueError):
         IncrementalDetokenizer(tokenizer, stop=[""])
+
+
+def test_random_stop_strings_invariants(tokenizer):
+    """Stops drawn from the text itself, so matches land at every kind of boundary."""
+    rng = random.Random(1)
+    for trial in range(300):
+        text = rng.choice(TEXTS + [STORY])
+        ids = tokenizer.encode(text).ids
+        stops = []
+        for _ in range(rng.randrange(1, 4)):
+            a = rng.randrange(len(text))
+            stops.append(text[a : a + rng.randrange(1, 8)])
+        include = trial % 4 == 0
+        deltas, d, matched = stream(tokenizer, ids, stop=stops, include_stop_str_in_output=include)
+        streamed = ""
+        for x in deltas:
+            streamed += x
+            assert d.text.startswith(streamed)  # nothing emitted is ever taken back
+        assert streamed == d.text and text.startswith(d.text)
+        assert matched is not None  # every stop occurs in the text
+        if include:
+            assert d.text.endswith(matched)
+        else:
+            assert text[len(d.text) :].startswith(matched)
+            assert not any(s in d.text for s in stops)
