@@ -1,4 +1,4 @@
-"""tandem's command line: generate | chat | plan."""
+"""tandem's command line: serve | generate | chat | plan."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 
 from tandem.config import EngineConfig
 from tandem.plan.cli import register as register_plan
+from tandem.server.args import add_server_args
 
 ENGINE_HELP = """\
 engine flags (vLLM's names):
@@ -120,13 +121,13 @@ def _stream(engine, prompt_ids: list[int], params) -> None:
 def cmd_generate(a: argparse.Namespace, chat: bool) -> int:
     from tandem.engine.llm_engine import LLMEngine
 
-    params = sampling_params_from_args(a)  # bad flags fail before the model loads
+    params = sampling_params_from_args(a)  # bad input fails before the model loads
+    if not all(a.prompt):
+        raise ValueError("the prompt is empty")
     engine = LLMEngine(engine_config_from_args(a))
     if engine.tokenizer is None:
         raise ValueError("this model has no tokenizer")
     for prompt in a.prompt:
-        if not prompt:
-            raise ValueError("the prompt is empty")
         if chat:
             messages = [{"role": "user", "content": prompt}]
             if a.system:
@@ -143,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser(
+        "serve", help="the HTTP server: OpenAI- and Ollama-compatible APIs, /metrics",
+        description=ENGINE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_server_args(p)
+    add_engine_args(p)
     for name, helptext in (
         ("generate", "complete a raw prompt, streaming the text"),
         ("chat", "one-shot chat: the prompt as a user message, with the chat template"),
@@ -163,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     logging.basicConfig(level=a.log_level, format="%(levelname)s %(name)s: %(message)s")
     try:
+        if a.command == "serve":
+            from tandem.server.app import serve
+
+            config = engine_config_from_args(a)
+            config.skip_tokenizer_init = a.skip_tokenizer_init
+            return serve(a, config)
         if a.command == "generate":
             return cmd_generate(a, chat=False)
         if a.command == "chat":

@@ -22,6 +22,7 @@ from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.model_runner import ModelRunner, allocate_kv_caches
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Scheduler
+from tandem.model.attention import AttentionMetadata, build_group
 from tandem.model.loader import load_model, resolve_model_dir
 from tandem.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -77,13 +78,11 @@ class LLMEngine:
         cfg, c = self.model_config, self.config
         bytes_per_token = cfg.kv_bytes_per_token_per_elem * self.dtype.itemsize
         block_bytes = bytes_per_token * c.block_size
+        budget_tokens = c.max_num_batched_tokens or (8192 if self.device.type == "cuda" else 512)
         if c.kv_cache_memory is not None:
             budget = int(c.kv_cache_memory)
         elif self.device.type == "cuda":
-            torch.cuda.synchronize()
-            free, total = torch.cuda.mem_get_info()
-            used = total - free
-            budget = int(total * c.gpu_memory_utilization) - used
+            budget = self._cuda_kv_budget(budget_tokens)
         else:
             budget = DEFAULT_CPU_KV_BYTES
         num_blocks = budget // block_bytes
@@ -109,7 +108,6 @@ class LLMEngine:
                            max_len, pool_tokens)
             max_len = pool_tokens
         self.max_model_len = max_len
-        budget_tokens = c.max_num_batched_tokens or (8192 if self.device.type == "cuda" else 512)
         if not c.enable_chunked_prefill and budget_tokens < max_len:
             raise ValueError(
                 f"without chunked prefill --max-num-batched-tokens ({budget_tokens}) must be "
@@ -131,6 +129,42 @@ class LLMEngine:
             num_blocks * block_bytes / 2**30, max_len, pool_tokens / max_len,
             c.max_num_seqs, budget_tokens,
         )
+
+    def _cuda_kv_budget(self, num_tokens: int) -> int:
+        """Bytes left for the KV pool: the utilization target minus everything else.
+
+        A warm-up forward of a full token budget (one prefill sequence, with a
+        scratch cache) measures the activation peak on top of the weights; memory
+        held outside torch's allocator (CUDA context, libraries) is counted too.
+        """
+        c, bs = self.config, self.config.block_size
+        nblk = -(-num_tokens // bs)
+        scratch = allocate_kv_caches(self.model, nblk, bs, self.dtype)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=dev),
+            decode=None,
+            prefill=build_group([num_tokens], [num_tokens], [list(range(nblk))], bs, dev),
+        )
+        torch.cuda.reset_peak_memory_stats()
+        self.model.forward(
+            torch.zeros(num_tokens, dtype=torch.long, device=dev),
+            torch.arange(num_tokens, device=dev),
+            scratch, meta,
+            torch.arange(min(num_tokens, c.max_num_seqs), device=dev),
+        )
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del scratch, meta
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        outside_torch = (total - free) - torch.cuda.memory_reserved()
+        budget = int(total * c.gpu_memory_utilization) - peak - outside_torch
+        logger.info("GPU memory: %.2f GiB total, peak %.2f GiB after weights + warm-up "
+                    "(%d tokens), %.2f GiB outside torch -> %.2f GiB for the KV cache",
+                    total / 2**30, peak / 2**30, num_tokens, outside_torch / 2**30,
+                    budget / 2**30)
+        return budget
 
     # --------------------------------------------------------------- requests
     def make_request(

@@ -171,9 +171,9 @@ class LlamaModel:
         """Run the flat batch; returns fp32 logits for the rows in logits_indices."""
         h, hkv, d = self.h, self.hkv, self.d
         t = input_ids.shape[0]
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        x = self.embed[input_ids]
+        cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
+        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        x = self.embed.index_select(0, input_ids)
         slots = meta.slot_mapping
         for layer, cache in zip(self.layers, kv_caches):
             y = self._rms_norm(x, layer.input_norm)
