@@ -1,12 +1,15 @@
-# The whole set-up on a fresh machine: `make run` (the main job) and `make test`.
+# The whole set-up on a fresh machine: `make serve` (the main job: the HTTP server),
+# `make run` (a one-shot chat) and `make test`.
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.stamp-setup
 TORCH   ?= torch==2.13.0
 PROMPT  ?= In one paragraph: why is the first token slow and the rest fast?
+# e.g. make serve SERVE_ARGS="--host 0.0.0.0 --port 11434 --max-queue 16"
+SERVE_ARGS ?=
 
-.PHONY: setup run test test-slow lint bench clean
+.PHONY: setup serve run test test-slow lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -18,6 +21,10 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# OpenAI- and Ollama-compatible APIs and /metrics on http://127.0.0.1:8000
+serve: $(STAMP)
+	$(BIN)/tandem serve $(SERVE_ARGS)
 
 run: $(STAMP)
 	$(BIN)/tandem chat "$(PROMPT)"

@@ -90,6 +90,11 @@ class AsyncEngine:
         """Requests handed over but not yet seen by the engine thread."""
         return len(self._new)
 
+    @property
+    def dead(self) -> bool:
+        """True once the step loop has stopped (shut down or crashed): /health turns 503."""
+        return self._stopped or not self._thread.is_alive()
+
     def shutdown(self) -> None:
         with self._cond:
             self._stopped = True

@@ -1,0 +1,83 @@
+"""One error type for the whole server, rendered in the shape each API's clients parse.
+
+Handlers raise ``APIError``; the app's exception handlers render it as
+OpenAI's ``{"error": {"message", "type", "param", "code"}}`` or Ollama's
+``{"error": "..."}`` depending on the path, so the SDKs raise their own typed
+exceptions (openai.BadRequestError, ollama.ResponseError, ...).
+"""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "server_overloaded",
+}
+
+
+class APIError(Exception):
+    """An HTTP error with a message meant for the client (never a traceback)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+        ollama_message: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+        self.ollama_message = ollama_message or message
+
+    def openai_body(self) -> dict:
+        return {"error": {
+            "message": self.message,
+            "type": _OPENAI_TYPES.get(self.status, "server_error"),
+            "param": self.param,
+            "code": self.code if self.code is not None else self.status,
+        }}
+
+    def ollama_body(self) -> dict:
+        return {"error": self.ollama_message}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def from_validation_error(err: ValidationError) -> APIError:
+    """A 400 naming the offending field, from pydantic's (possibly many) complaints.
+
+    Unions (e.g. ``prompt: str | list[int]``) produce one complaint per member;
+    the first per field is enough for a person to fix the request.
+    """
+    seen: set[str] = set()
+    parts: list[str] = []
+    first_param = None
+    for e in err.errors(include_url=False):
+        loc = [str(x) for x in e.get("loc", ()) if not _is_type_tag(x)]
+        field = ".".join(loc) or "body"
+        if field in seen:
+            continue
+        seen.add(field)
+        first_param = first_param or field
+        parts.append(f"{field}: {e.get('msg', 'invalid value')}")
+        if len(parts) == 3:
+            break
+    return APIError(400, "invalid request: " + "; ".join(parts), param=first_param)
+
+
+def _is_type_tag(x: object) -> bool:
+    """pydantic puts union member names (``str``, ``list[int]``) into error locations."""
+    return isinstance(x, str) and (x in ("str", "int", "float", "bool") or "[" in x)

@@ -1,0 +1,226 @@
+"""One API request as a set of engine requests, merged into one stream of outputs.
+
+The engine runs n=1 requests; ``n`` choices and lists of prompts fan out into
+one engine request each (seed + i for choice i, so a seeded n=2 is
+reproducible and its choices differ). Each engine request is pumped by its
+own task into one queue; the handler reads (choice index, RequestOutput)
+pairs from it.
+
+Every output passes the pump, so metrics and the per-request log line are
+recorded even if the client stops reading. Closing the Generation (client
+gone, handler done, error) cancels the pumps; cancelling a pump closes its
+engine stream, which aborts the request in the engine and frees its KV
+blocks — whether it was running or still queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from tandem.engine.async_engine import EngineDeadError
+from tandem.outputs import RequestOutput
+from tandem.sampling_params import SamplingParams
+from tandem.server.errors import APIError
+from tandem.server.state import ServerState
+
+logger = logging.getLogger("tandem.server")
+
+
+def make_sampling_params(state: ServerState, **kwargs) -> SamplingParams:
+    """SamplingParams from API fields (None = default), or a 400 naming the field.
+
+    The model's extra end-of-generation ids (e.g. <|endoftext|> besides
+    <|im_end|>) become stop ids, as vLLM does with generation_config.json.
+    """
+    fields = {k: v for k, v in kwargs.items() if v is not None}
+    if state.has_tokenizer and not fields.get("ignore_eos"):
+        tok = state.tokenizer
+        extra = [t for t in tok.stop_token_ids if t != tok.eos_token_id]
+        if extra:
+            fields["stop_token_ids"] = list(fields.get("stop_token_ids") or []) + extra
+    try:
+        return SamplingParams(**fields)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+def fan_out(params: SamplingParams) -> list[SamplingParams]:
+    """n engine requests for one n-choice request; choice i samples with seed + i."""
+    if params.n == 1:
+        return [params]
+    return [
+        dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+        for i in range(params.n)
+    ]
+
+
+@dataclass
+class Choice:
+    """One engine request of an API request, and what it has produced so far."""
+
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = 0.0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_tokens: int = 0
+    final: RequestOutput | None = None
+    released: bool = False
+
+
+class Generation:
+    """Start with ``await start()``, read with ``async for index, out in gen``, then ``close()``."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        request_id: str,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+    ) -> None:
+        self.state = state
+        self.request_id = request_id
+        multi = len(prompts) > 1
+        self.choices = [
+            Choice(i, f"{request_id}-{i}" if multi else request_id, ids, p)
+            for i, (ids, p) in enumerate(zip(prompts, params))
+        ]
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._error: BaseException | None = None
+        self._closed = False
+
+    async def start(self) -> Generation:
+        """Admit (or 503), submit every engine request, surface bad input as a 400.
+
+        The engine validates a request when its stream is first iterated, which
+        happens in the pump task's first step: one ``sleep(0)`` lets every pump
+        run up to its first wait, so a ValueError is known before any response
+        byte is sent (streaming or not).
+        """
+        self.state.admission.acquire(len(self.choices))
+        try:
+            now = time.monotonic()
+            for c in self.choices:
+                c.arrival = now
+                self._tasks.append(asyncio.create_task(self._pump(c)))
+            await asyncio.sleep(0)
+        except BaseException:
+            self.close()
+            raise
+        if self._error is not None:
+            self.close()
+            raise _api_error(self._error)
+        return self
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        remaining = len(self.choices)
+        while remaining:
+            index, item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise _api_error(item)
+            if item.finished:
+                remaining -= 1
+            yield index, item
+
+    async def collect(self) -> list[list[RequestOutput]]:
+        """Every output of every choice (for non-streaming responses)."""
+        outs: list[list[RequestOutput]] = [[] for _ in self.choices]
+        async for index, out in self:
+            outs[index].append(out)
+        return outs
+
+    def close(self) -> None:
+        """Abort what has not finished and give back its admission slots (idempotent, sync).
+
+        Synchronous on purpose: it runs in ``finally`` blocks of cancelled
+        handlers, where awaiting is not possible.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for t in self._tasks:
+            if not t.done():
+                t.cancel()
+        for c in self.choices:
+            self._release(c)
+
+    # ------------------------------------------------------------ pump side
+    async def _pump(self, c: Choice) -> None:
+        stream = self.state.engine.generate(c.prompt_ids, c.params, request_id=c.request_id)
+        try:
+            async for out in stream:
+                self._observe(c, out)
+                self._queue.put_nowait((c.index, out))
+        except asyncio.CancelledError:
+            if c.final is None:
+                self._aborted(c)
+            raise
+        except Exception as e:  # ValueError (bad input) or the engine failing
+            if self._error is None:
+                self._error = e
+            self._release(c)
+            self._queue.put_nowait((c.index, e))
+        finally:
+            await stream.aclose()
+
+    def _observe(self, c: Choice, out: RequestOutput) -> None:
+        m = self.state.metrics
+        if out.new_token_ids:
+            if c.first_token_time is None:
+                c.first_token_time = out.time
+                m.first_token(out.time - c.arrival)
+            else:
+                m.next_token(out.time - c.last_token_time)
+            c.last_token_time = out.time
+            c.num_tokens += len(out.new_token_ids)
+        if out.finished:
+            c.final = out
+            self._release(c)
+            m.finished(out.finish_reason or "stop", out.metrics)
+            if out.metrics is not None and out.metrics.e2e_s is not None:
+                self.state.admission.observe_latency(out.metrics.e2e_s)
+            log_finished(c.request_id, out)
+
+    def _aborted(self, c: Choice) -> None:
+        self.state.metrics.aborted()
+        logger.info("req %s aborted after %d output tokens (client gone or request failed)",
+                    c.request_id, c.num_tokens)
+
+    def _release(self, c: Choice) -> None:
+        if not c.released:
+            c.released = True
+            self.state.admission.release(1)
+
+
+def log_finished(request_id: str, out: RequestOutput) -> None:
+    """One line per request: where its time went (queue, prefill, decode)."""
+    m = out.metrics
+    if m is None:
+        return
+    extra = f", {m.num_preemptions} preemptions" if m.num_preemptions else ""
+    logger.info(
+        "req %s finished (%s): prompt %d tokens (%d cached), output %d tokens | "
+        "queue %.0f ms, prefill %.0f ms (%.0f tok/s), decode %.0f ms (%.1f tok/s)%s",
+        request_id, out.finish_reason, m.num_prompt_tokens, m.num_cached_tokens,
+        m.num_output_tokens, m.queued_s * 1e3, m.prefill_s * 1e3, m.prefill_tokens_per_s,
+        m.decode_s * 1e3, m.decode_tokens_per_s, extra,
+    )
+
+
+def _api_error(e: BaseException) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ValueError):
+        return APIError(400, str(e))
+    if isinstance(e, EngineDeadError):  # a failed step, or the engine shut down
+        return APIError(503, f"the engine could not run this request: {e}",
+                        code="engine_unavailable")
+    return APIError(500, f"internal error: {type(e).__name__}", code="internal_error")

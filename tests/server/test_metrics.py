@@ -1,0 +1,130 @@
+"""/metrics: vLLM's names, types, labels and buckets; values that follow the requests.
+
+Also /health, /version and the two kinds of log line.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tandem.server.app import ServerConfig
+from tandem.server.stats import StatsLogger
+from tests.server.conftest import tiny_engine
+
+# vLLM's histogram buckets (vllm/v1/metrics/loggers.py), written out here on purpose.
+VLLM_TTFT = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+             7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+VLLM_ITL = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+            10.0, 20.0, 40.0, 80.0]
+VLLM_LATENCY = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+EXPECTED = {
+    "vllm:time_to_first_token_seconds": ("histogram", VLLM_TTFT),
+    "vllm:inter_token_latency_seconds": ("histogram", VLLM_ITL),
+    "vllm:e2e_request_latency_seconds": ("histogram", VLLM_LATENCY),
+    "vllm:request_queue_time_seconds": ("histogram", VLLM_LATENCY),
+    "vllm:request_prefill_time_seconds": ("histogram", VLLM_LATENCY),
+    "vllm:request_decode_time_seconds": ("histogram", VLLM_LATENCY),
+    "vllm:num_requests_running": ("gauge", None),
+    "vllm:num_requests_waiting": ("gauge", None),
+    "vllm:kv_cache_usage_perc": ("gauge", None),
+    "vllm:num_preemptions": ("counter", None),
+    "vllm:prefix_cache_queries": ("counter", None),
+    "vllm:prefix_cache_hits": ("counter", None),
+    "vllm:prompt_tokens": ("counter", None),
+    "vllm:generation_tokens": ("counter", None),
+    "vllm:request_success": ("counter", None),
+    "tandem:queue_rejections": ("counter", None),
+    "tandem:request_aborts": ("counter", None),
+}
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tiny_config_path):
+    return start_server(tiny_engine(tiny_config_path),
+                        ServerConfig(served_model_names=["tiny"]))
+
+
+def scrape(server) -> dict:
+    text = httpx.get(f"{server.url}/metrics").text
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def value(families: dict, name: str, sample: str | None = None, **labels) -> float:
+    for s in families[name].samples:
+        if s.name == (sample or name) and all(s.labels.get(k) == v for k, v in labels.items()):
+            return s.value
+    raise KeyError((name, sample, labels))
+
+
+def test_names_types_labels_and_buckets(server):
+    fams = scrape(server)
+    for name, (kind, buckets) in EXPECTED.items():
+        assert fams[name].type == kind, name
+        for s in fams[name].samples:
+            assert s.labels["model_name"] == "tiny" and s.labels["engine"] == "0", name
+        if buckets is not None:
+            les = [float(s.labels["le"]) for s in fams[name].samples
+                   if s.name.endswith("_bucket")]
+            assert les == [*buckets, float("inf")], name
+    reasons = {s.labels["finished_reason"] for s in fams["vllm:request_success"].samples}
+    assert reasons == {"stop", "length", "abort"}
+
+
+def test_values_follow_requests(server, caplog):
+    before = scrape(server)
+    n_req, n_tok = 3, 6
+    with caplog.at_level(logging.INFO, logger="tandem.server"):
+        for _ in range(n_req):
+            r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": list(range(5, 14)), "max_tokens": n_tok,
+                "ignore_eos": True, "stream": True})
+            assert r.status_code == 200
+    after = scrape(server)
+
+    def delta(name, sample=None, **labels):
+        return value(after, name, sample, **labels) - value(before, name, sample, **labels)
+
+    assert delta("vllm:time_to_first_token_seconds",
+                 "vllm:time_to_first_token_seconds_count") == n_req
+    assert delta("vllm:inter_token_latency_seconds",
+                 "vllm:inter_token_latency_seconds_count") == n_req * (n_tok - 1)
+    assert delta("vllm:e2e_request_latency_seconds",
+                 "vllm:e2e_request_latency_seconds_count") == n_req
+    assert delta("vllm:request_success", "vllm:request_success_total",
+                 finished_reason="length") == n_req
+    assert delta("vllm:generation_tokens", "vllm:generation_tokens_total") == n_req * n_tok
+    assert delta("vllm:prompt_tokens", "vllm:prompt_tokens_total") == n_req * 9
+    # The same 9-token prompt three times: its full blocks (of 4) are reused.
+    assert delta("vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") > 0
+    assert value(after, "vllm:num_requests_running") == 0
+    lines = [r.getMessage() for r in caplog.records if "finished (length)" in r.getMessage()]
+    assert len(lines) == n_req
+    assert "prompt 9 tokens" in lines[0] and "output 6 tokens" in lines[0]
+    assert "queue" in lines[0] and "prefill" in lines[0] and "decode" in lines[0]
+
+
+def test_stats_line(server):
+    stats = StatsLogger(server.engine, 10.0)
+    httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "prompt": [1, 2], "max_tokens": 4, "ignore_eos": True})
+    text, busy = stats.line()
+    assert busy and "Running: 0 reqs, Waiting: 0 reqs" in text
+    assert "Avg generation throughput: 0.0" not in text
+    text, busy = stats.line()  # nothing happened since
+    assert not busy and "Avg generation throughput: 0.0 tokens/s" in text
+
+
+def test_version_and_health(start_server, tiny_config_path, server):
+    assert httpx.get(f"{server.url}/version").json()["version"]
+    other = start_server(tiny_engine(tiny_config_path))
+    assert httpx.get(f"{other.url}/health").status_code == 200
+    other.engine.shutdown()  # the engine loop is gone: load balancers must see it
+    r = httpx.get(f"{other.url}/health")
+    assert r.status_code == 503 and "not running" in r.json()["error"]
+    r = httpx.post(f"{other.url}/v1/completions", json={"prompt": [1], "max_tokens": 2})
+    assert r.status_code == 503 and "shut down" in r.json()["error"]["message"]

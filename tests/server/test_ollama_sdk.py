@@ -1,0 +1,111 @@
+"""The Ollama API, driven by the official `ollama` SDK against the real default model."""
+
+from __future__ import annotations
+
+import httpx
+import ollama
+import pytest
+
+from tests.server.conftest import API_KEY
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = {"temperature": 0, "num_predict": 10}
+
+
+@pytest.fixture(scope="module")
+def client(real_server) -> ollama.Client:
+    return ollama.Client(host=real_server.url, headers={"Authorization": f"Bearer {API_KEY}"},
+                         timeout=120)
+
+
+def assert_counters(final, tokens_received: int) -> None:
+    """Ollama's counters: present, integer nanoseconds, consistent with each other."""
+    for name in ("total_duration", "load_duration", "prompt_eval_count",
+                 "prompt_eval_duration", "eval_count", "eval_duration"):
+        assert isinstance(final[name], int), name
+    assert final.prompt_eval_count > 0 and final.prompt_eval_duration > 0
+    assert final.eval_count == tokens_received
+    assert final.prompt_eval_duration + final.eval_duration <= final.total_duration
+    assert final.load_duration == 0  # the model stays loaded
+
+
+def test_generate_non_streaming(client, real_server):
+    r = client.generate(model="smollm2", prompt="What is the capital of France?",
+                        stream=False, options=GREEDY)
+    assert r.done and r.done_reason in ("stop", "length") and "Paris" in r.response
+    assert_counters(r, r.eval_count)
+    assert r.eval_count <= 10
+    # context = the templated prompt's ids + the output's: it continues the conversation
+    prompt_ids = httpx.post(f"{real_server.url}/tokenize", json={"messages": CHAT},
+                            headers=real_server.headers).json()["tokens"]
+    assert r.context[:len(prompt_ids)] == prompt_ids
+    assert len(r.context) == len(prompt_ids) + r.eval_count
+    assert r.prompt_eval_count <= len(prompt_ids)  # a prefix-cache hit is not counted
+
+
+def test_generate_streaming_one_object_per_token(client):
+    parts = list(client.generate(model="smollm2", prompt="Count: 1, 2, 3,", stream=True,
+                                 options={"temperature": 0, "num_predict": 8}, raw=True))
+    assert all(not p.done for p in parts[:-1]) and parts[-1].done
+    assert parts[-1].done_reason == "length"
+    assert_counters(parts[-1], len(parts))
+    assert "".join(p.response for p in parts) == " 4, 5, 6"
+
+
+def test_chat_streaming_and_not_agree(client):
+    whole = client.chat(model="smollm2", messages=CHAT, stream=False, options=GREEDY)
+    assert whole.message.role == "assistant" and "Paris" in whole.message.content
+    assert_counters(whole, whole.eval_count)
+    parts = list(client.chat(model="smollm2:latest", messages=CHAT, stream=True,
+                             options=GREEDY))
+    assert "".join(p.message.content for p in parts) == whole.message.content
+    assert_counters(parts[-1], len(parts))
+    assert parts[-1].done_reason == whole.done_reason
+
+
+def test_options_are_honoured(client):
+    r = client.generate(model="smollm2", prompt="Count: 1, 2, 3,", raw=True, stream=False,
+                        options={"temperature": 0, "num_predict": 20, "stop": ["6"]})
+    assert r.response == " 4, 5, " and r.done_reason == "stop"
+    a = client.generate(model="smollm2", prompt="Once upon a time", stream=False,
+                        options={"seed": 5, "num_predict": 8, "temperature": 1.0})
+    b = client.generate(model="smollm2", prompt="Once upon a time", stream=False,
+                        options={"seed": 5, "num_predict": 8, "temperature": 1.0})
+    assert a.response == b.response
+
+
+def test_num_ctx_above_the_window_is_an_error(client):
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate(model="smollm2", prompt="hi", options={"num_ctx": 4096})
+    assert e.value.status_code == 400 and "4096" in e.value.error and "1024" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:  # a smaller num_ctx is a real limit
+        client.generate(model="smollm2", prompt="hi " * 40, stream=False,
+                        options={"num_ctx": 32, "num_predict": 4})
+    assert e.value.status_code == 400 and "num_ctx" in e.value.error
+
+
+def test_unknown_model_and_missing_key(client, real_server):
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model="llama3", messages=CHAT)
+    assert e.value.status_code == 404 and "llama3" in e.value.error
+    anonymous = ollama.Client(host=real_server.url)
+    with pytest.raises(ollama.ResponseError) as e:
+        anonymous.list()
+    assert e.value.status_code == 401
+
+
+def test_model_listing_endpoints(client, real_server):
+    tags = client.list().models
+    assert [m.model for m in tags] == ["smollm2:latest"]
+    assert tags[0].size > 100e6 and tags[0].details.family == "llama"
+    ps = client.ps().models
+    assert ps[0].context_length == 1024 and ps[0].expires_at.year == 9999
+    show = client.show("smollm2")
+    assert show.modelinfo["llama.context_length"] == 1024 and "im_start" in show.template
+    assert httpx.get(real_server.url + "/").text == "Ollama is running"
+    assert httpx.get(real_server.url + "/api/version").json()["version"]
+
+
+def test_empty_prompt_is_a_load_request(client):
+    r = client.generate(model="smollm2", prompt="")
+    assert r.done and r.done_reason == "load" and r.response == ""

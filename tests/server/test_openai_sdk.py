@@ -1,0 +1,202 @@
+"""The OpenAI API, driven by the official `openai` SDK against the real default model."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import API_KEY
+
+COUNTING = "1, 2, 3, 4,"  # greedy: " 5, 6, 7, 8," (SmolLM2-135M-Instruct)
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(real_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{real_server.url}/v1", api_key=API_KEY, max_retries=0,
+                         timeout=120)
+
+
+def test_models_lists_the_served_name_and_window(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["smollm2"]
+    assert models[0].max_model_len == 1024 and models[0].root.endswith(".gguf")
+
+
+def test_chat_non_streaming_reports_usage_and_phase_split(client, real_server):
+    r = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=12,
+                                       temperature=0)
+    choice = r.choices[0]
+    assert "Paris" in choice.message.content and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    ids = httpx.post(f"{real_server.url}/tokenize", json={"messages": CHAT},
+                     headers=real_server.headers).json()
+    assert r.usage.prompt_tokens == ids["count"]
+    assert 1 <= r.usage.completion_tokens <= 12
+    split = r.tandem
+    assert split["output_tokens"] == r.usage.completion_tokens
+    assert split["prefill_s"] > 0 and split["queue_s"] >= 0 and split["decode_s"] >= 0
+    assert split["ttft_s"] <= split["e2e_s"]
+    assert split["prefill_tokens_per_s"] > 0
+
+
+def test_chat_streaming_matches_non_streaming_one_chunk_per_token(client):
+    kwargs = dict(model="smollm2", messages=CHAT, max_tokens=12, temperature=0)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}))
+    token_chunks = [c for c in chunks if c.choices]
+    # The role arrives with the first token, never alone before it.
+    first = token_chunks[0].choices[0].delta
+    assert first.role == "assistant" and first.content is not None
+    assert all(c.choices[0].delta.role is None for c in token_chunks[1:])
+    text = "".join(c.choices[0].delta.content or "" for c in token_chunks)
+    assert text == whole.choices[0].message.content
+    assert token_chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert len(token_chunks) == whole.usage.completion_tokens
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == whole.usage.completion_tokens
+    assert last.tandem["output_tokens"] == whole.usage.completion_tokens
+
+
+def test_completions_streaming_and_not_agree(client):
+    whole = client.completions.create(model="smollm2", prompt=COUNTING, max_tokens=8,
+                                      temperature=0)
+    assert whole.choices[0].text == " 5, 6, 7"  # 3 tokens a number: " ", "5", ","
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 8
+    stream = list(client.completions.create(model="smollm2", prompt=COUNTING, max_tokens=8,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in stream) == whole.choices[0].text
+    assert stream[-1].choices[0].finish_reason == "length"
+    assert stream[-1].tandem["output_tokens"] == 8  # no include_usage: on the last chunk
+
+
+def test_completions_prompt_forms_and_echo(client, real_server):
+    ids = httpx.post(f"{real_server.url}/tokenize", json={"prompt": COUNTING},
+                     headers=real_server.headers).json()["tokens"]
+    r = client.completions.create(model="smollm2", prompt=[COUNTING, "Once upon a time"],
+                                  max_tokens=6, temperature=0, echo=True)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].text == COUNTING + " 5, 6,"
+    assert r.choices[1].text.startswith("Once upon a time")
+    for prompt in (ids, [ids]):  # token ids: one prompt, and a batch of one
+        r = client.completions.create(model="smollm2", prompt=prompt, max_tokens=6,
+                                      temperature=0, echo=True)
+        assert r.choices[0].text == COUNTING + " 5, 6,"
+        assert r.usage.prompt_tokens == len(ids)
+
+
+def test_n2_fans_out_with_distinct_seeds(client):
+    r = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=8, n=2,
+                                       temperature=1.0, seed=11)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == sum(c["output_tokens"] for c in r.tandem["choices"])
+    again = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=8, n=2,
+                                           temperature=1.0, seed=11)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    stream = list(client.completions.create(model="smollm2", prompt=COUNTING, max_tokens=3,
+                                            n=2, temperature=0, stream=True))
+    texts = {0: "", 1: ""}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == {0: " 5,", 1: " 5,"}
+
+
+def test_seed_reproducibility(client):
+    def sample(seed: int) -> str:
+        return client.completions.create(model="smollm2", prompt="Once upon a time",
+                                         max_tokens=12, temperature=1.0, seed=seed
+                                         ).choices[0].text
+
+    a = sample(1234)
+    assert sample(1234) == a
+    assert sample(4321) != a
+
+
+def test_stop_string_and_stop_token(client):
+    r = client.completions.create(model="smollm2", prompt=COUNTING, max_tokens=12,
+                                  temperature=0, stop=["7"])
+    c = r.choices[0]
+    assert c.text == " 5, 6, " and c.finish_reason == "stop" and c.stop_reason == "7"
+    r = client.completions.create(model="smollm2", prompt=COUNTING, max_tokens=12,
+                                  temperature=0, extra_body={"stop_token_ids": [39]})
+    c = r.choices[0]
+    assert c.text == " 5, 6, " and c.finish_reason == "stop" and c.stop_reason == 39
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=6,
+                                       temperature=0, logprobs=True, top_logprobs=3)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == r.usage.completion_tokens
+    for e in entries:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and tops[0] <= 0
+        assert e.logprob == pytest.approx(tops[0])  # greedy picks the most likely token
+        assert e.top_logprobs[0].token == e.token
+    assert "".join(e.token for e in entries).startswith(r.choices[0].message.content[:5])
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(model="smollm2", prompt=COUNTING, max_tokens=4,
+                                  temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text == " 5, "
+    assert len(lp.token_logprobs) == 4 and all(x <= 0 for x in lp.token_logprobs)
+    assert all(len(t) == 2 for t in lp.top_logprobs)
+    assert lp.text_offset == [0, 1, 2, 3]
+
+
+def test_list_of_parts_content(client):
+    parts = [{"type": "text", "text": "What is the capital"},
+             {"type": "text", "text": "of France?"}]
+    r = client.chat.completions.create(model="smollm2", max_tokens=1, temperature=0,
+                                       messages=[{"role": "user", "content": parts}])
+    assert r.usage.completion_tokens == 1
+    with pytest.raises(openai.BadRequestError, match="only text parts"):
+        client.chat.completions.create(model="smollm2", max_tokens=1, messages=[
+            {"role": "user", "content": [{"type": "image_url",
+                                          "image_url": {"url": "http://x/y.png"}}]}])
+
+
+def test_prefix_cache_shows_in_cached_tokens(client):
+    system = "You answer in one word. " * 8
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+    client.chat.completions.create(model="smollm2", messages=messages, max_tokens=1)
+    r = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=1)
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < r.usage.prompt_tokens
+    assert r.tandem["cached_tokens"] == cached
+
+
+def test_errors_map_to_sdk_exceptions(client, real_server):
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1"):
+        client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=-1)
+    with pytest.raises(openai.BadRequestError) as e:  # never a silent truncation
+        client.completions.create(model="smollm2", prompt=COUNTING, max_tokens=5000)
+    assert "1024" in str(e.value) and "5000" in str(e.value)
+    with pytest.raises(openai.BadRequestError):  # before any byte of the stream
+        client.chat.completions.create(model="smollm2", messages=CHAT, stream=True,
+                                       temperature=-1)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=1)
+    bad = openai.OpenAI(base_url=f"{real_server.url}/v1", api_key="wrong-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    r = httpx.post(f"{real_server.url}/v1/chat/completions", json={"messages": CHAT})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{real_server.url}/health").status_code == 200  # probes need no key
+
+
+def test_tokenize_detokenize_round_trip(real_server):
+    h = real_server.headers
+    tok = httpx.post(f"{real_server.url}/tokenize", json={"prompt": "hello world"},
+                     headers=h).json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == 1024
+    text = httpx.post(f"{real_server.url}/detokenize", json={"tokens": tok["tokens"]},
+                      headers=h).json()["prompt"]
+    assert text == "hello world"
+    r = httpx.post(f"{real_server.url}/detokenize", json={"tokens": [10**9]}, headers=h)
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
