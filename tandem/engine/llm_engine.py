@@ -64,6 +64,11 @@ class LLMEngine:
             self.tokenizer = Tokenizer.from_dir(self.model_dir)
         eos = self.tokenizer.eos_token_id if self.tokenizer else self.model_config.eos_token_id
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
+        # Every end-of-generation id (generation_config's list, e.g. <|im_end|> and
+        # <|endoftext|>) ends a request unless ignore_eos, like vLLM and HF.
+        ends = self.tokenizer.stop_token_ids if self.tokenizer else (
+            eos if isinstance(eos, list) else [eos])
+        self.eos_token_ids = frozenset(t for t in ends if t is not None)
         self.load_duration_s = time.monotonic() - t0
         self._init_kv_cache()
         self._ids = itertools.count()
@@ -223,7 +228,7 @@ class LLMEngine:
         elif params.stop:
             raise ValueError("stop strings need a tokenizer")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        return Request(rid, ids, params, max_tokens, self.eos_token_id, generator, detok,
+        return Request(rid, ids, params, max_tokens, generator, detok,
                        arrival_time)
 
     def add_request(
@@ -285,7 +290,7 @@ class LLMEngine:
         status = None
         text_tok = True
         if n_out >= p.min_tokens:
-            if tok == req.eos_token_id and not p.ignore_eos:
+            if tok in self.eos_token_ids and not p.ignore_eos:
                 status, text_tok = RequestStatus.FINISHED_STOPPED, False
             elif tok in p.stop_token_ids:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok

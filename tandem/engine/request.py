@@ -88,7 +88,6 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         max_tokens: int,
-        eos_token_id: int | None,
         generator: torch.Generator | None = None,
         detokenizer: IncrementalDetokenizer | None = None,
         arrival_time: float | None = None,
@@ -102,7 +101,6 @@ class Request:
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens  # already capped by the context window
-        self.eos_token_id = eos_token_id
         self.generator = generator
         self.detokenizer = detokenizer
         self.status = RequestStatus.WAITING
