@@ -11,7 +11,9 @@ Prefix caching (vLLM's automatic prefix caching):
 * A hash is only a lookup key, never trusted: a hit also checks the block's
   token ids and that its parent is the block matched just before it. By
   induction from the first block, a hit therefore holds exactly the KV of the
-  same token prefix, whatever the hash collides with.
+  same token prefix, whatever the hash collides with. For that, a block is only
+  registered while its parent is: a parent_id never names a block that was
+  evicted and reused since.
 * Freed blocks keep their contents and hash and sit in the free list; they are
   evicted only when a fresh block is needed. Blocks without a hash go to the
   front (evicted first); a freed chain is appended tail first, so the tail of a
@@ -145,6 +147,13 @@ class KVCacheManager:
             block = self.blocks[block_ids[i]]
             if block.block_hash is not None:
                 continue  # a prefix-cache hit: already registered
+            if i and self.blocks[block_ids[i - 1]].block_hash is None:
+                # The chain is broken: the parent is not in the cache (its hash
+                # was already taken). A child registered under it could never be
+                # hit now, and once the parent is evicted, reused and registered
+                # under a colliding hash, the parent check would pass and serve
+                # KV computed after other tokens. Register nothing past it.
+                break
             h = request.block_hashes[i]
             if h in self.cached:
                 continue  # same content computed twice, or a collision: keep the first

@@ -10,7 +10,7 @@ BS = 4
 
 
 def req(tokens, rid="r"):
-    return Request(rid, list(tokens), SamplingParams(max_tokens=8), 8, None)
+    return Request(rid, list(tokens), SamplingParams(max_tokens=8), 8)
 
 
 def admit(kv, r):
@@ -181,3 +181,148 @@ def test_hash_is_chained():
 def test_bad_pool_size():
     with pytest.raises(ValueError):
         KVCacheManager(0, BS)
+
+
+def test_usage_counts_shared_blocks_once():
+    kv = KVCacheManager(10, BS)
+    prefix = list(range(8))  # two full blocks, shared by every request below
+    a, b, c = (req(prefix + [100 + i], f"r{i}") for i in range(3))
+    admit(kv, a)
+    assert kv.usage == pytest.approx(3 / 10)
+    assert admit(kv, b) == 8 and admit(kv, c) == 8
+    # 2 shared blocks + one private tail each: 5 blocks held, not 9.
+    assert kv.usage == pytest.approx(5 / 10)
+    assert kv.num_free_blocks == 5
+    kv.free(a)
+    kv.free(b)  # the shared blocks are still held by c
+    assert kv.usage == pytest.approx(3 / 10)
+    assert [kv.blocks[i].ref_cnt for i in c.block_ids] == [1, 1, 1]
+    kv.free(c)
+    assert kv.usage == 0.0 and all_free(kv)
+    assert len(kv.cached) == 2  # idle, yet the prefix is still cached
+    # Reviving the cached prefix takes it out of the free capacity again.
+    d = req(prefix + [7], "d")
+    assert admit(kv, d) == 8
+    assert kv.usage == pytest.approx(3 / 10)
+    kv.free(d)
+    assert all_free(kv)
+
+
+def test_eviction_order_follows_a_sequence_of_frees():
+    kv = KVCacheManager(12, BS)
+    a = req(range(0, 9), "a")  # 2 full blocks + 1 partial
+    b = req(range(20, 29), "b")
+    c = req(range(40, 48), "c")  # exactly 2 full blocks
+    for r in (a, b, c):
+        admit(kv, r)
+    a0, a1, a2 = a.block_ids
+    b0, b1, b2 = b.block_ids
+    c0, c1 = c.block_ids
+    unused = [i for i in range(12) if i not in a.block_ids + b.block_ids + c.block_ids]
+    kv.free(b)
+    kv.free(a)
+    kv.free(c)
+    # A hit on b's head makes it the most recently used (b's tail stays where it was).
+    d = req(list(range(20, 24)) + [99], "d")
+    assert admit(kv, d) == 4
+    assert d.block_ids[1] == a2  # the front of the free list: a's uncached tail
+    kv.free(d)
+    evicted = []
+    for i in range(kv.num_blocks):
+        x = req([1000 + i] * BS, f"x{i}")
+        assert kv.allocate_slots(x, BS)
+        evicted.append(x.block_ids[0])
+    # Uncached blocks first (the most recently freed at the very front), then the
+    # never-used ones, then cached chains tail first in the order they were freed.
+    assert evicted[:2] == [a2, b2]
+    assert evicted[2:2 + len(unused)] == unused
+    assert evicted[2 + len(unused):] == [b1, a1, a0, c1, c0, b0]
+
+
+def test_collision_never_serves_kv_computed_after_other_tokens():
+    # Two different first blocks collide. b's first block loses the race for the
+    # hash, so it is not registered; its second block must not be registered
+    # under it either, or after b's first block is reused for a's tokens the
+    # parent check would pass and serve KV that was computed after b's tokens.
+    a0, b0, y1 = (1, 2, 3, 4), (5, 6, 7, 8), (9, 9, 9, 9)
+
+    def colliding(parent, toks):
+        toks = tuple(toks)
+        return hash_block_tokens(parent, a0 if toks == b0 else toks)
+
+    kv = KVCacheManager(8, BS, hash_fn=colliding)
+    r1 = req(a0 + (0,), "r1")
+    admit(kv, r1)
+    r2 = req(b0 + y1 + (0,), "r2")
+    assert admit(kv, r2) == 0  # the collision guard refuses a's block
+    r2_head = r2.block_ids[0]
+    kv.free(r1)
+    filler = req([50] * (BS * kv.num_free_blocks), "filler")
+    admit(kv, filler)  # evicts r1's block: a0's hash is free again
+    kv.free(filler)
+    kv.free(r2)
+    w = req(a0 + (0,), "w")
+    assert admit(kv, w) == 0
+    assert w.block_ids[0] == r2_head  # b's old block now holds a0
+    q = req(a0 + y1 + (0,), "q")
+    assert admit(kv, q) == 4  # a0 only: y1 was computed after b0, not a0
+    for r in (w, q):
+        kv.free(r)
+    assert all_free(kv)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_workload_hits_only_kv_of_the_same_prefix(seed):
+    """Model-based: every block remembers the token prefix its KV was computed
+    with, and every hit must be exactly that prefix, under heavy hash collisions
+    (3 hash values, 2 token values, 2-token blocks, 8 blocks); ref counts, the
+    free list and usage must stay exact throughout."""
+    import random
+
+    rng = random.Random(seed)
+    bs = 2
+    kv = KVCacheManager(8, bs, hash_fn=lambda p, t: hash((p, tuple(t))) % 3)
+    computed: dict[int, tuple[int, ...]] = {}  # block id -> prefix its KV was computed with
+    live: list[Request] = []
+
+    def compute(r, start):
+        for i in range(start // bs, len(r.block_ids)):
+            computed[r.block_ids[i]] = tuple(r.token_ids[: min((i + 1) * bs, r.num_tokens)])
+
+    for step in range(1000):
+        op = rng.random()
+        if op < 0.45 and len(live) < 5:
+            r = req([rng.randrange(2) for _ in range(rng.randrange(1, 9))], f"{seed}-{step}")
+            hits, n = kv.get_computed_blocks(r)
+            assert n == len(hits) * bs < r.num_tokens
+            for j, blk in enumerate(hits):
+                assert computed[blk.block_id] == tuple(r.token_ids[: (j + 1) * bs])
+            if kv.allocate_slots(r, r.num_tokens - n, hits):
+                compute(r, n)
+                r.num_computed_tokens = r.num_tokens
+                live.append(r)
+            else:
+                assert r.block_ids == []
+        elif op < 0.75 and live:  # decode one token
+            r = rng.choice(live)
+            r.append_token(rng.randrange(2))
+            if kv.allocate_slots(r, 1):
+                compute(r, r.num_computed_tokens)
+                r.num_computed_tokens += 1
+            else:
+                kv.free(r)  # out of blocks: dropped (the scheduler would preempt it)
+                live.remove(r)
+        elif live:
+            kv.free(live.pop(rng.randrange(len(live))))
+        held = [b for r in live for b in r.block_ids]
+        for b in kv.blocks:
+            assert b.ref_cnt == held.count(b.block_id)
+            assert (b.ref_cnt == 0) == (b.block_id in kv.free_blocks)
+            if b.block_hash is not None:
+                assert kv.cached[b.block_hash] is b
+                if b.parent_id != -1:  # a cached block's parent is cached too
+                    assert kv.blocks[b.parent_id].block_hash is not None
+        assert kv.usage == pytest.approx(len(set(held)) / kv.num_blocks)
+    for r in live:
+        kv.free(r)
+    assert all_free(kv)
