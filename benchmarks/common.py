@@ -21,12 +21,3 @@ def read_bandwidth_gbs(mib: int = 512, repeats: int = 7) -> float:
         x.sum()
         best = min(best, time.perf_counter() - t)
     return x.numel() * 4 / best / 1e9
-
-
-def weight_bytes_per_step(model) -> int:
-    """Bytes of weights one decode step reads: every matmul weight and the LM head."""
-    n = model.lm_head.numel() * model.lm_head.element_size()
-    for layer in model.layers:
-        for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            n += w.numel() * w.element_size()
-    return n

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import read_bandwidth_gbs, set_threads, weight_bytes_per_step
+from common import read_bandwidth_gbs, set_threads
 
 from tandem import LLM, SamplingParams
 
@@ -30,7 +30,7 @@ def main() -> None:
         m = llm.generate("The history of the printing press", params)[0].metrics
         best = max(best, m.decode_tokens_per_s)
     bw = read_bandwidth_gbs()
-    wbytes = weight_bytes_per_step(llm.engine.model)
+    wbytes = llm.engine.model.weight_bytes
     ceiling = bw * 1e9 / wbytes
     print(f"read bandwidth          {bw:8.1f} GB/s")
     print(f"weights read per step   {wbytes / 1e6:8.1f} MB (fp32)")

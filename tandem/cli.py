@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from tandem.bench.cli import register as register_bench
 from tandem.config import EngineConfig
 from tandem.plan.cli import register as register_plan
 from tandem.server.args import add_server_args
@@ -32,6 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto = float32 on CPU (bf16 matmuls are very slow there), "
                         "bfloat16 on CUDA")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--quantization", "-q", default="none", choices=["none", "int8", "int4"],
+                   help="weight quantization of the layer matmuls: fewer bytes read per "
+                        "decode step (int8: per-channel, fbgemm on CPU; int4: groups of 32)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context window (prompt + output); longer requests get an error, "
                         "never a silently truncated prompt")
@@ -59,6 +63,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=a.model, load_format=a.load_format, dtype=a.dtype, device=a.device,
+        quantization=a.quantization,
         max_model_len=a.max_model_len, block_size=a.block_size,
         kv_cache_memory=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
@@ -161,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_engine_args(p)
         add_sampling_args(p)
     register_plan(sub)
+    register_bench(sub)
     return parser
 
 

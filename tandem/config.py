@@ -52,6 +52,7 @@ class EngineConfig:
     load_format: str = "auto"  # auto | gguf | hf | dummy
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
+    quantization: str = "none"  # none | int8 | int4 (weight quantization of layer matmuls)
     seed: int = 0
     max_model_len: int | None = None
     block_size: int = 16
@@ -72,6 +73,10 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
+        if self.quantization not in ("none", "int8", "int4"):
+            raise ValueError(
+                f"--quantization must be none, int8 or int4, got {self.quantization!r}"
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")

@@ -56,7 +56,8 @@ class LLMEngine:
             self.dtype = _DTYPES[config.dtype]
         self.model_dir = resolve_model_dir(config.model, config.load_format)
         self.model = load_model(
-            self.model_dir, config.load_format, self.dtype, self.device, config.seed
+            self.model_dir, config.load_format, self.dtype, self.device, config.seed,
+            config.quantization,
         )
         self.model_config = self.model.cfg
         self.tokenizer: Tokenizer | None = None

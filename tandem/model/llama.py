@@ -2,8 +2,8 @@
 
 Written for the serving hot path, not for training: the batch is one flat
 sequence of tokens from many requests ([T, hidden]); Q/K/V and gate/up are
-fused into one matmul each; weights are kept pre-transposed ([in, out]) for
-``torch.addmm``/``mm``; RoPE cos/sin are precomputed for every position;
+fused into one matmul each (tandem.model.linear: dense or quantized, the
+residual add fused where it can be); RoPE cos/sin are precomputed for every position;
 K/V go into the paged cache with one indexed copy per layer. The logits are
 computed only for the rows that sample.
 """
@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.model.attention import AttentionMetadata, paged_attention
+from tandem.model.linear import Linear
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -115,16 +116,15 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class Layer:
-    """One decoder layer's weights (pre-transposed) and its forward."""
+    """One decoder layer's weights: norms as tensors, matmuls as Linear objects."""
 
-    def __init__(self, w: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    def __init__(self, w: dict) -> None:
         self.input_norm = w["input_layernorm"]
         self.post_norm = w["post_attention_layernorm"]
-        self.qkv = w["qkv"]  # [hidden, (H + 2 Hkv) * D]
-        self.qkv_bias = w.get("qkv_bias")
-        self.o = w["o"]  # [H * D, hidden]
-        self.gate_up = w["gate_up"]  # [hidden, 2 * inter]
-        self.down = w["down"]  # [inter, hidden]
+        self.qkv: Linear = w["qkv"]  # hidden -> (H + 2 Hkv) * D, with Qwen2's bias
+        self.o: Linear = w["o"]  # H * D -> hidden
+        self.gate_up: Linear = w["gate_up"]  # hidden -> 2 * inter
+        self.down: Linear = w["down"]  # inter -> hidden
         self.q_norm = w.get("q_norm")
         self.k_norm = w.get("k_norm")
 
@@ -139,8 +139,8 @@ class LlamaModel:
         self.scale = self.d**-0.5
         self.embed = weights["embed"]  # [vocab, hidden]
         self.norm = weights["norm"]
-        self.lm_head = weights["lm_head"]  # [hidden, vocab] (pre-transposed)
-        self.layers = [Layer(w, cfg) for w in weights["layers"]]
+        self.lm_head: Linear = weights["lm_head"]
+        self.layers = [Layer(w) for w in weights["layers"]]
         dev, dt = self.embed.device, self.embed.dtype
         pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)
         freqs = torch.outer(pos, rope_inv_freq(cfg))  # [P, D/2]
@@ -176,12 +176,7 @@ class LlamaModel:
         x = self.embed.index_select(0, input_ids)
         slots = meta.slot_mapping
         for layer, cache in zip(self.layers, kv_caches):
-            y = self._rms_norm(x, layer.input_norm)
-            if layer.qkv_bias is None:
-                qkv = torch.mm(y, layer.qkv)
-            else:
-                qkv = torch.addmm(layer.qkv_bias, y, layer.qkv)
-            qkv = qkv.view(t, h + 2 * hkv, d)
+            qkv = layer.qkv(self._rms_norm(x, layer.input_norm)).view(t, h + 2 * hkv, d)
             qk = qkv[:, : h + hkv]
             if layer.q_norm is not None:
                 qk = torch.cat(
@@ -192,12 +187,26 @@ class LlamaModel:
             kv_new = torch.cat((qk[:, h:], qkv[:, h + hkv :]), 1).view(t, 2, hkv, d)
             cache.index_copy_(0, slots, kv_new)
             attn = paged_attention(qk[:, :h], cache, meta, self.scale)
-            x = torch.addmm(x, attn, layer.o)
-            y = self._rms_norm(x, layer.post_norm)
-            gu = torch.mm(y, layer.gate_up)
-            gate, up = gu.chunk(2, -1)
-            x = torch.addmm(x, F.silu(gate) * up, layer.down)
+            x = layer.o.add(x, attn)
+            gate, up = layer.gate_up(self._rms_norm(x, layer.post_norm)).chunk(2, -1)
+            x = layer.down.add(x, F.silu(gate) * up)
         if logits_indices is None:
             return None
         x = self._rms_norm(x.index_select(0, logits_indices), self.norm)
-        return torch.mm(x, self.lm_head).float()
+        return self.lm_head(x).float()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the weights occupy (a tied LM head is a transposed copy: counted)."""
+        norms = self.norm.numel() + sum(
+            layer.input_norm.numel() + layer.post_norm.numel() for layer in self.layers
+        )
+        return self.weight_bytes + (self.embed.numel() + norms) * self.embed.element_size()
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: every layer matmul and the LM head."""
+        return self.lm_head.nbytes + sum(
+            lin.nbytes for layer in self.layers
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )

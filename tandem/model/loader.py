@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from tandem.model.gguf import default_model_path, gguf_to_hf_dir
+from tandem.model.linear import DenseLinear, Linear, make_linear
 from tandem.model.llama import LlamaModel, ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -97,9 +98,18 @@ def _dummy_weights(cfg: ModelConfig, dtype: torch.dtype, seed: int) -> dict[str,
 
 
 def fuse_weights(
-    cfg: ModelConfig, hf: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    cfg: ModelConfig,
+    hf: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str = "none",
 ) -> dict:
-    """HF-named tensors -> LlamaModel's fused, pre-transposed layout (consumes hf)."""
+    """HF-named tensors -> LlamaModel's fused layout (consumes hf).
+
+    Q/K/V become one matmul and gate/up another. With quantization, every
+    layer matmul is quantized; the LM head stays dense (quality: it decides
+    every token) and so does the embedding (a row lookup, not a matmul).
+    """
 
     def take(name: str) -> torch.Tensor:
         try:
@@ -110,26 +120,29 @@ def fuse_weights(
     def put(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype).contiguous()
 
+    def lin(w: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        return make_linear(put(w), None if bias is None else put(bias), quantization)
+
     embed = put(take("model.embed_tokens.weight"))
     lm = hf.pop("lm_head.weight", None)
     if lm is None and not cfg.tie_word_embeddings:
         raise ValueError("the weights have no lm_head.weight and tie_word_embeddings is false")
-    lm_head = embed.t().contiguous() if lm is None else put(lm.t())
+    lm_head = DenseLinear(embed if lm is None else put(lm))
     layers = []
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
+        qkv_bias = None
+        if cfg.attention_bias:
+            qkv_bias = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
         w = {
-            "qkv": put(torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]).t()),
-            "o": put(take(a + "o_proj.weight").t()),
-            "gate_up": put(torch.cat((take(m + "gate_proj.weight"),
-                                      take(m + "up_proj.weight"))).t()),
-            "down": put(take(m + "down_proj.weight").t()),
+            "qkv": lin(torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]), qkv_bias),
+            "o": lin(take(a + "o_proj.weight")),
+            "gate_up": lin(torch.cat((take(m + "gate_proj.weight"), take(m + "up_proj.weight")))),
+            "down": lin(take(m + "down_proj.weight")),
             "input_layernorm": put(take(p + "input_layernorm.weight")),
             "post_attention_layernorm": put(take(p + "post_attention_layernorm.weight")),
         }
-        if cfg.attention_bias:
-            w["qkv_bias"] = put(torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]))
         if cfg.qk_norm:
             w["q_norm"] = put(take(a + "q_norm.weight"))
             w["k_norm"] = put(take(a + "k_norm.weight"))
@@ -139,11 +152,16 @@ def fuse_weights(
 
 
 def load_model(
-    model_dir: Path, load_format: str, dtype: torch.dtype, device: torch.device, seed: int = 0
+    model_dir: Path,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    quantization: str = "none",
 ) -> LlamaModel:
     cfg = ModelConfig.from_hf(read_hf_config(model_dir))
     if load_format == "dummy":
         hf = _dummy_weights(cfg, dtype, seed)
     else:
         hf = _read_safetensors(model_dir)
-    return LlamaModel(cfg, fuse_weights(cfg, hf, dtype, device))
+    return LlamaModel(cfg, fuse_weights(cfg, hf, dtype, device, quantization))

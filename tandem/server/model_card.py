@@ -133,17 +133,5 @@ def parameter_count(cfg) -> int:
 
 
 def weight_bytes(engine: LLMEngine) -> int:
-    """Bytes the loaded weights occupy (tied embeddings counted once)."""
-    model = engine.model
-    tensors = [model.embed, model.norm, model.lm_head]
-    for layer in model.layers:
-        tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
-    seen: set[int] = set()
-    total = 0
-    for t in tensors:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen:
-            continue
-        seen.add(ptr)
-        total += t.untyped_storage().nbytes()
-    return total
+    """Bytes the loaded weights occupy."""
+    return engine.model.nbytes

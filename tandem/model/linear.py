@@ -1,0 +1,151 @@
+"""How a weight matrix is applied: dense, or weight-quantized to int8 / int4.
+
+Every variant is a callable ``lin(x) -> x @ W.T (+ bias)`` plus
+``lin.add(res, x) -> res + lin(x)`` (fused into one addmm for dense weights,
+which saves an op per residual on the hot path), built from an HF-layout
+weight ``[out, in]``.
+
+Quantization trades a little quality for fewer bytes read per decode step
+(the seeds' strongest lever on decode speed):
+
+* int8: symmetric, one fp32 scale per output channel. On CPU it runs fbgemm's
+  dynamic-quantized linear (activations quantized per step with reduce_range,
+  int8 x int8 -> int32 kernels); on CUDA the weight is dequantized inside the
+  matmul (y = (x @ q) * scale), saving memory, not time.
+* int4: asymmetric, groups of ``group_size`` input weights with a scale and a
+  zero point each. On CPU it runs torch's int4-pack matmul
+  (``_weight_int4pack_mm_for_cpu``); elsewhere it dequantizes per call.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+QUANTIZATIONS = ("none", "int8", "int4")
+INT4_GROUP_SIZE = 32
+
+
+class DenseLinear:
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.wt = w.t().contiguous()  # [in, out]: x @ wt is the faster layout for skinny x
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return torch.mm(x, self.wt)
+        return torch.addmm(self.bias, x, self.wt)
+
+    def add(self, res: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return torch.addmm(res, x, self.wt)
+        return res + self(x)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.wt.numel() * self.wt.element_size()
+        return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+
+class _QuantLinear:
+    """Shared parts of the quantized variants (each defines ``matmul``)."""
+
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x)
+        return y if self.bias is None else y + self.bias
+
+    def add(self, res: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return res + self(x)
+
+
+class Int8Linear(_QuantLinear):
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        w = w.float()
+        self.out_features = w.shape[0]
+        self.scale = (w.abs().amax(1) / 127.0).clamp_min(1e-12)  # [out]
+        q = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.bias = bias
+        self.cpu = w.device.type == "cpu"
+        if self.cpu:
+            with warnings.catch_warnings():  # quantized tensor creation warns it is legacy
+                warnings.simplefilter("ignore")
+                qw = torch.quantize_per_channel(
+                    w, self.scale.double(), torch.zeros(w.shape[0], dtype=torch.long),
+                    0, torch.qint8,
+                )
+                self.packed = torch.ops.quantized.linear_prepack(qw, None)
+            self.qt = None
+        else:
+            self.qt = q.t().contiguous()  # [in, out] int8
+        self._nbytes = q.numel() + self.scale.numel() * 4
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu:
+            # fbgemm quantizes x per call; reduce_range keeps int16 pair sums exact
+            # on CPUs without VNNI.
+            return torch.ops.quantized.linear_dynamic(x.float(), self.packed, True).to(x.dtype)
+        return torch.mm(x, self.qt.to(x.dtype)) * self.scale.to(x.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+
+class Int4Linear(_QuantLinear):
+    def __init__(
+        self, w: torch.Tensor, bias: torch.Tensor | None = None,
+        group_size: int = INT4_GROUP_SIZE,
+    ) -> None:
+        n, k = w.shape
+        if k % group_size:
+            raise ValueError(f"int4 needs in_features ({k}) divisible by the group size "
+                             f"{group_size}")
+        wg = w.float().view(n, k // group_size, group_size)
+        lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+        scale = ((hi - lo) / 15.0).clamp_min(1e-12)
+        q = torch.round((wg - lo) / scale).clamp(0, 15).to(torch.int32).view(n, k)
+        self.group_size = group_size
+        self.bias = bias
+        self.cpu = w.device.type == "cpu"
+        # int4pack's convention: w = (q - 8) * scale + zero, so zero = lo + 8 * scale.
+        sz = torch.stack((scale.view(n, -1), (lo + 8 * scale).view(n, -1)), -1)
+        self.scales_zeros = sz.transpose(0, 1).contiguous()  # [k / group, n, 2]
+        if self.cpu:
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        else:
+            self.q = q.to(torch.uint8)
+            self.scale, self.lo = scale, lo
+        self._nbytes = n * k // 2 + self.scales_zeros.numel() * 4
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu:
+            return torch._weight_int4pack_mm_for_cpu(
+                x.float(), self.packed, self.group_size, self.scales_zeros
+            ).to(x.dtype)
+        n, k = self.q.shape
+        w = (self.q.view(n, -1, self.group_size).to(x.dtype) * self.scale.to(x.dtype)
+             + self.lo.to(x.dtype)).view(n, k)
+        return torch.mm(x, w.t())
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+
+Linear = DenseLinear | Int8Linear | Int4Linear
+
+
+def make_linear(
+    w: torch.Tensor, bias: torch.Tensor | None = None, quantization: str = "none"
+) -> Linear:
+    if quantization == "int8":
+        return Int8Linear(w, bias)
+    if quantization == "int4":
+        return Int4Linear(w, bias)
+    if quantization != "none":
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                         f"got {quantization!r}")
+    return DenseLinear(w, bias)
