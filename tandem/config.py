@@ -57,6 +57,7 @@ class EngineConfig:
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory: int | str | None = None
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 (~2x the tokens of 16-bit)
     gpu_memory_utilization: float = 0.92
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
@@ -77,6 +78,10 @@ class EngineConfig:
         if self.quantization not in ("none", "int8", "int4"):
             raise ValueError(
                 f"--quantization must be none, int8 or int4, got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(
+                f"--kv-cache-dtype must be auto or int8, got {self.kv_cache_dtype!r}"
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")

@@ -23,6 +23,7 @@ from tandem.engine.model_runner import ModelRunner, allocate_kv_caches
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Scheduler
 from tandem.model.attention import AttentionMetadata, build_group
+from tandem.model.kv_cache import kv_cache_class
 from tandem.model.loader import load_model, resolve_model_dir
 from tandem.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -82,7 +83,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ set-up
     def _init_kv_cache(self) -> None:
         cfg, c = self.model_config, self.config
-        bytes_per_token = cfg.kv_bytes_per_token_per_elem * self.dtype.itemsize
+        bytes_per_token = cfg.num_hidden_layers * kv_cache_class(
+            c.kv_cache_dtype).bytes_per_token_layer(cfg.num_key_value_heads, cfg.head_dim,
+                                                    self.dtype)
         block_bytes = bytes_per_token * c.block_size
         budget_tokens = c.max_num_batched_tokens or (8192 if self.device.type == "cuda" else 512)
         if c.kv_cache_memory is not None:
@@ -120,7 +123,9 @@ class LLMEngine:
                 f">= max_model_len ({max_len}), or long prompts could never be scheduled"
             )
         self.max_num_batched_tokens = budget_tokens
-        self.kv_caches = allocate_kv_caches(self.model, num_blocks, c.block_size, self.dtype)
+        self.kv_caches = allocate_kv_caches(
+            self.model, num_blocks, c.block_size, self.dtype, c.kv_cache_dtype
+        )
         self.kv_manager = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_manager, c.max_num_seqs, budget_tokens, c.enable_chunked_prefill
@@ -128,9 +133,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_caches, c.block_size, self.eos_token_id)
         self.kv_bytes_per_token = bytes_per_token
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %d bytes/token (%.2f GiB); "
+            "KV cache (%s): %d blocks x %d tokens = %d tokens, %d bytes/token (%.2f GiB); "
             "max_model_len %d -> %.1f full-context conversations fit; "
             "max_num_seqs %d, max_num_batched_tokens %d",
+            c.kv_cache_dtype if c.kv_cache_dtype != "auto" else str(self.dtype).split(".")[-1],
             num_blocks, c.block_size, pool_tokens, bytes_per_token,
             num_blocks * block_bytes / 2**30, max_len, pool_tokens / max_len,
             c.max_num_seqs, budget_tokens,
@@ -145,7 +151,7 @@ class LLMEngine:
         """
         c, bs = self.config, self.config.block_size
         nblk = -(-num_tokens // bs)
-        scratch = allocate_kv_caches(self.model, nblk, bs, self.dtype)
+        scratch = allocate_kv_caches(self.model, nblk, bs, self.dtype, c.kv_cache_dtype)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.arange(num_tokens, device=dev),

@@ -15,6 +15,7 @@ import torch
 from tandem.engine.request import Request
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.model.attention import AttentionMetadata, build_group
+from tandem.model.kv_cache import KVCache, kv_cache_class
 from tandem.model.llama import LlamaModel
 from tandem.model.sampler import Sampler, SamplingMetadata
 
@@ -29,12 +30,14 @@ class ModelRunnerOutput:
 
 
 def allocate_kv_caches(
-    model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype
-) -> list[torch.Tensor]:
+    model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
+) -> list[KVCache]:
     cfg = model.cfg
-    shape = (num_blocks * block_size, 2, cfg.num_key_value_heads, cfg.head_dim)
+    cls = kv_cache_class(kv_cache_dtype)
     return [
-        torch.zeros(shape, dtype=dtype, device=model.device) for _ in range(cfg.num_hidden_layers)
+        cls(num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, model.device)
+        for _ in range(cfg.num_hidden_layers)
     ]
 
 
@@ -42,7 +45,7 @@ class ModelRunner:
     def __init__(
         self,
         model: LlamaModel,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[KVCache],
         block_size: int,
         eos_token_id: int | None,
     ) -> None:

@@ -1,8 +1,8 @@
 """Paged attention over a flat batch of prefill chunks and decodes.
 
-The KV cache of one layer is a tensor ``[num_slots, 2, num_kv_heads, head_dim]``
-(slot = block_id * block_size + offset; index 0 of dim 1 is K, 1 is V), so a
-step writes all its new K/V with one ``index_copy_`` per layer.
+The KV cache of one layer (tandem.model.kv_cache) holds ``[num_slots, 2,
+num_kv_heads, head_dim]`` (slot = block_id * block_size + offset; index 0 of
+dim 1 is K, 1 is V), so a step writes all its new K/V with one indexed copy.
 
 aten has no paged/varlen attention op, so each step gathers every sequence's
 keys through its block table into a padded batch and calls SDPA with a mask.
@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from tandem.model.kv_cache import KVCache
 
 
 @dataclass
@@ -95,16 +97,14 @@ def build_group(
     )
 
 
-def _attend(
-    q: torch.Tensor, kv_cache: torch.Tensor, g: AttnGroup, scale: float
-) -> torch.Tensor:
+def _attend(q: torch.Tensor, kv_cache: KVCache, g: AttnGroup, scale: float) -> torch.Tensor:
     """q: [Tg, H, D] flat queries of the group -> [Tg, H*D]."""
     t, h, d = q.shape
     if g.q_index is not None:
         q = q.index_select(0, g.q_index)
     q = q.view(g.batch, g.q_len, h, d).transpose(1, 2)
-    # index_select, not kv_cache[slots]: advanced indexing costs ~15x more per call here.
-    kv = kv_cache.index_select(0, g.key_slots).view(g.batch, -1, *kv_cache.shape[1:])
+    kv = kv_cache.gather(g.key_slots)
+    kv = kv.view(g.batch, -1, *kv.shape[1:])
     k = kv[:, :, 0].transpose(1, 2)
     v = kv[:, :, 1].transpose(1, 2)
     out = F.scaled_dot_product_attention(
@@ -117,7 +117,7 @@ def _attend(
 
 
 def paged_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Attention for the whole flat batch; the new K/V are already in kv_cache."""
     if meta.prefill is None:

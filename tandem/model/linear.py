@@ -8,18 +8,16 @@ weight ``[out, in]``.
 Quantization trades a little quality for fewer bytes read per decode step
 (the seeds' strongest lever on decode speed):
 
-* int8: symmetric, one fp32 scale per output channel. On CPU it runs fbgemm's
-  dynamic-quantized linear (activations quantized per step with reduce_range,
-  int8 x int8 -> int32 kernels); on CUDA the weight is dequantized inside the
-  matmul (y = (x @ q) * scale), saving memory, not time.
+* int8: symmetric, one fp32 scale per output channel. On CPU, activations are
+  quantized per token too and multiplied by ``torch._int_mm`` (int8 x int8 ->
+  int32, oneDNN); on CUDA the weight is dequantized inside the matmul
+  (y = (x @ q) * scale), saving memory, not time.
 * int4: asymmetric, groups of ``group_size`` input weights with a scale and a
   zero point each. On CPU it runs torch's int4-pack matmul
   (``_weight_int4pack_mm_for_cpu``); elsewhere it dequantizes per call.
 """
 
 from __future__ import annotations
-
-import warnings
 
 import torch
 
@@ -64,34 +62,26 @@ class _QuantLinear:
 class Int8Linear(_QuantLinear):
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         w = w.float()
-        self.out_features = w.shape[0]
         self.scale = (w.abs().amax(1) / 127.0).clamp_min(1e-12)  # [out]
         q = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.qt = q.t().contiguous()  # [in, out]
         self.bias = bias
         self.cpu = w.device.type == "cpu"
-        if self.cpu:
-            with warnings.catch_warnings():  # quantized tensor creation warns it is legacy
-                warnings.simplefilter("ignore")
-                qw = torch.quantize_per_channel(
-                    w, self.scale.double(), torch.zeros(w.shape[0], dtype=torch.long),
-                    0, torch.qint8,
-                )
-                self.packed = torch.ops.quantized.linear_prepack(qw, None)
-            self.qt = None
-        else:
-            self.qt = q.t().contiguous()  # [in, out] int8
-        self._nbytes = q.numel() + self.scale.numel() * 4
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu:
-            # fbgemm quantizes x per call; reduce_range keeps int16 pair sums exact
-            # on CPUs without VNNI.
-            return torch.ops.quantized.linear_dynamic(x.float(), self.packed, True).to(x.dtype)
+            # W8A8: each token's activations get their own int8 scale, so a row's
+            # result never depends on what else is in the batch (fbgemm's dynamic
+            # linear uses one scale per tensor: batch-dependent, and coarser).
+            xf = x.float()
+            sx = xf.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127.0
+            xq = torch.round(xf / sx).to(torch.int8)
+            return (torch._int_mm(xq, self.qt) * sx * self.scale).to(x.dtype)
         return torch.mm(x, self.qt.to(x.dtype)) * self.scale.to(x.dtype)
 
     @property
     def nbytes(self) -> int:
-        return self._nbytes
+        return self.qt.numel() + self.scale.numel() * 4
 
 
 class Int4Linear(_QuantLinear):

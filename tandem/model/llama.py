@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.model.attention import AttentionMetadata, paged_attention
+from tandem.model.kv_cache import KVCache
 from tandem.model.linear import Linear
 
 SUPPORTED_ARCHITECTURES = {
@@ -86,11 +87,6 @@ class ModelConfig:
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"config.json is missing or has a bad field: {e}") from None
-
-    @property
-    def kv_bytes_per_token_per_elem(self) -> int:
-        """K and V elements per token over all layers (times bytes/elem = KV bytes)."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -164,7 +160,7 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[KVCache],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor | None,
     ) -> torch.Tensor | None:
@@ -185,7 +181,7 @@ class LlamaModel:
                 )
             qk = qk * cos + qk.roll(d // 2, -1) * sin
             kv_new = torch.cat((qk[:, h:], qkv[:, h + hkv :]), 1).view(t, 2, hkv, d)
-            cache.index_copy_(0, slots, kv_new)
+            cache.write(slots, kv_new)
             attn = paged_attention(qk[:, :h], cache, meta, self.scale)
             x = layer.o.add(x, attn)
             gate, up = layer.gate_up(self._rms_norm(x, layer.post_norm)).chunk(2, -1)

@@ -18,16 +18,20 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling_params import SamplingParams
 
 BLOCK = 4
-# 2 layers x 2 kv heads x head_dim 8 x K,V x 4 bytes = 256 bytes per token.
-BYTES_PER_BLOCK = 256 * BLOCK
+# Per token: 2 layers x K,V x 2 kv heads x head_dim 8 x 4 bytes (fp32) = 256 bytes,
+# or x (8 + 4-byte scale) bytes with the int8 cache = 96.
+BYTES_PER_TOKEN = {"auto": 256, "int8": 96}
 
 
-def make_engine(tiny_config_path, num_blocks=64, **kw) -> LLMEngine:
+def make_engine(tiny_config_path, num_blocks=64, kv_cache_dtype="auto", **kw) -> LLMEngine:
     kw.setdefault("max_model_len", min(num_blocks * BLOCK, 256))
-    return LLMEngine(EngineConfig(
+    engine = LLMEngine(EngineConfig(
         model=tiny_config_path, load_format="dummy", skip_tokenizer_init=True,
-        block_size=BLOCK, kv_cache_memory=num_blocks * BYTES_PER_BLOCK, **kw,
+        block_size=BLOCK, kv_cache_dtype=kv_cache_dtype,
+        kv_cache_memory=num_blocks * BLOCK * BYTES_PER_TOKEN[kv_cache_dtype], **kw,
     ))
+    assert engine.kv_manager.num_blocks == num_blocks
+    return engine
 
 
 def run_workload(engine: LLMEngine, arrivals: list[tuple[int, list[int], int]]):
@@ -81,12 +85,16 @@ def test_continuous_batching_joins_and_leaves(tiny_config_path):
     assert third.first_token_time < second.finished_time
 
 
-def test_preemption_keeps_output_identical(tiny_config_path):
+@pytest.mark.parametrize("quantization,kv_cache_dtype",
+                         [("none", "auto"), ("int8", "auto"), ("int4", "int8")])
+def test_preemption_keeps_output_identical(tiny_config_path, quantization, kv_cache_dtype):
     rng = random.Random(0)
     arrivals = [(0, [rng.randrange(1, 128) for _ in range(rng.randint(3, 20))], 24)
                 for _ in range(6)]
-    ref = [o.outputs[0].token_ids for o in run_workload(make_engine(tiny_config_path), arrivals)]
-    small = make_engine(tiny_config_path, num_blocks=14, max_model_len=48)
+    kw = {"quantization": quantization, "kv_cache_dtype": kv_cache_dtype}
+    ref = [o.outputs[0].token_ids
+           for o in run_workload(make_engine(tiny_config_path, **kw), arrivals)]
+    small = make_engine(tiny_config_path, num_blocks=14, max_model_len=48, **kw)
     outs = run_workload(small, arrivals)
     assert small.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == ref
@@ -121,7 +129,7 @@ def test_abort_frees_blocks(tiny_config_path):
     assert not engine.has_unfinished_requests()
 
 
-@settings(max_examples=25, deadline=None,
+@settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     num_blocks=st.integers(8, 40),
@@ -133,9 +141,12 @@ def test_abort_frees_blocks(tiny_config_path):
     ),
     caching=st.booleans(),
     seed=st.integers(0, 1000),
+    quantization=st.sampled_from(["none", "int8", "int4"]),
+    kv_cache_dtype=st.sampled_from(["auto", "int8"]),
 )
 def test_random_workloads_keep_invariants(
-    tiny_config_path, num_blocks, budget, max_seqs, reqs, caching, seed
+    tiny_config_path, num_blocks, budget, max_seqs, reqs, caching, seed, quantization,
+    kv_cache_dtype,
 ):
     rng = random.Random(seed)
     max_len = num_blocks * BLOCK
@@ -153,6 +164,7 @@ def test_random_workloads_keep_invariants(
     engine = make_engine(
         tiny_config_path, num_blocks=num_blocks, max_num_batched_tokens=budget,
         max_num_seqs=max_seqs, enable_prefix_caching=caching, max_model_len=max_len,
+        quantization=quantization, kv_cache_dtype=kv_cache_dtype,
     )
     outs = run_workload(engine, arrivals)
     assert [len(o.outputs[0].token_ids) for o in outs] == [n for _, _, n in arrivals]
