@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV pool size, e.g. 2GiB (CPU default 2GiB; on CUDA the default "
                         "comes from --gpu-memory-utilization)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="int8: K/V stored as int8 with a scale per token and head, "
+                        "~3.8x the tokens of an fp32 cache (~1.9x of 16-bit) in the same memory")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.92,
                    help="fraction of GPU memory for weights + KV cache (default 0.92)")
     g.add_argument("--max-num-seqs", type=int, default=64,
@@ -65,7 +68,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         model=a.model, load_format=a.load_format, dtype=a.dtype, device=a.device,
         quantization=a.quantization,
         max_model_len=a.max_model_len, block_size=a.block_size,
-        kv_cache_memory=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization,
+        kv_cache_memory=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype,
+        gpu_memory_utilization=a.gpu_memory_utilization,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         enable_chunked_prefill=a.enable_chunked_prefill,
         enable_prefix_caching=a.enable_prefix_caching, num_threads=a.num_threads, seed=a.seed,

@@ -149,25 +149,11 @@ class LLMEngine:
         scratch cache) measures the activation peak on top of the weights; memory
         held outside torch's allocator (CUDA context, libraries) is counted too.
         """
-        c, bs = self.config, self.config.block_size
-        nblk = -(-num_tokens // bs)
-        scratch = allocate_kv_caches(self.model, nblk, bs, self.dtype, c.kv_cache_dtype)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, device=dev),
-            decode=None,
-            prefill=build_group([num_tokens], [num_tokens], [list(range(nblk))], bs, dev),
-        )
+        c = self.config
         torch.cuda.reset_peak_memory_stats()
-        self.model.forward(
-            torch.zeros(num_tokens, dtype=torch.long, device=dev),
-            torch.arange(num_tokens, device=dev),
-            scratch, meta,
-            torch.arange(min(num_tokens, c.max_num_seqs), device=dev),
-        )
+        self.score_tokens([0] * num_tokens, logits_rows=min(num_tokens, c.max_num_seqs))
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
-        del scratch, meta
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         outside_torch = (total - free) - torch.cuda.memory_reserved()
@@ -177,6 +163,27 @@ class LLMEngine:
                     total / 2**30, peak / 2**30, num_tokens, outside_torch / 2**30,
                     budget / 2**30)
         return budget
+
+    def score_tokens(self, token_ids: Sequence[int], logits_rows: int | None = None):
+        """One prefill of token_ids outside the scheduler, with a scratch KV cache.
+
+        Returns the fp32 logits of the last ``logits_rows`` positions (all when
+        None): the warm-up that sizes the GPU pool, and perplexity measurements.
+        """
+        n, bs, dev = len(token_ids), self.config.block_size, self.device
+        nblk = -(-n // bs)
+        scratch = allocate_kv_caches(self.model, nblk, bs, self.dtype, self.config.kv_cache_dtype)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=dev),
+            decode=None,
+            prefill=build_group([n], [n], [list(range(nblk))], bs, dev),
+        )
+        rows = n if logits_rows is None else logits_rows
+        return self.model.forward(
+            torch.tensor(list(token_ids), dtype=torch.long, device=dev),
+            torch.arange(n, device=dev), scratch, meta,
+            torch.arange(n - rows, n, device=dev),
+        )
 
     # --------------------------------------------------------------- requests
     def make_request(
