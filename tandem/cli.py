@@ -51,7 +51,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64,
                    help="most requests in one batch (default 64)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="per-step token budget (default 512 on CPU, 8192 on CUDA): "
+                   help="per-step token budget (default 128 on CPU, 8192 on CUDA): "
                         "small protects inter-token latency, large protects TTFT")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                    action="store_false",

@@ -87,7 +87,9 @@ class LLMEngine:
             c.kv_cache_dtype).bytes_per_token_layer(cfg.num_key_value_heads, cfg.head_dim,
                                                     self.dtype)
         block_bytes = bytes_per_token * c.block_size
-        budget_tokens = c.max_num_batched_tokens or (8192 if self.device.type == "cuda" else 512)
+        # CPU default 128: at 16 streams through the server it kept p99 ITL at 184 ms (512:
+        # 517 ms) for the same aggregate tok/s; a prefill chunk delays every stream.
+        budget_tokens = c.max_num_batched_tokens or (8192 if self.device.type == "cuda" else 128)
         if c.kv_cache_memory is not None:
             budget = int(c.kv_cache_memory)
         elif self.device.type == "cuda":
