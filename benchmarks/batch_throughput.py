@@ -8,6 +8,7 @@ it is measured on --hf-requests of them and scaled to N (printed as such).
 Target: >= 10x.
 
     .venv/bin/python benchmarks/batch_throughput.py [--num-requests 32] [--hf-requests 2]
+        [--quantization int8] [--max-num-batched-tokens 2048]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--hf-requests", type=int, default=2)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     set_threads(a.threads)
@@ -36,7 +38,7 @@ def main() -> None:
     prompts = [[rng.randrange(100, 40000) for _ in range(a.input_len)]
                for _ in range(a.num_requests)]
     params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
-    llm = LLM(kv_cache_memory="2GiB", num_threads=a.threads,
+    llm = LLM(kv_cache_memory="2GiB", num_threads=a.threads, quantization=a.quantization,
               max_num_batched_tokens=a.max_num_batched_tokens)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4))  # warm-up
     t = time.perf_counter()
@@ -59,7 +61,8 @@ def main() -> None:
     hf_s = time.perf_counter() - t
     hf_rate = hf_tokens / hf_s
     print(f"workload: {a.num_requests} requests x {a.input_len} prompt + {a.output_len} output "
-          f"tokens, ignore_eos, {a.threads} threads")
+          f"tokens, ignore_eos, {a.threads} threads, weights {a.quantization}, token budget "
+          f"{llm.engine.max_num_batched_tokens}")
     print(f"tandem (all at once)    {n_out} tokens in {ours_s:7.1f} s = {ours:7.1f} tok/s")
     print(f"HF generate one by one  {hf_tokens} tokens in {hf_s:7.1f} s = {hf_rate:7.1f} tok/s "
           f"(measured on {a.hf_requests} requests; {a.num_requests} would take "

@@ -178,7 +178,7 @@ class LLMEngine:
         meta = AttentionMetadata(
             slot_mapping=torch.arange(n, device=dev),
             decode=None,
-            prefill=build_group([n], [n], [list(range(nblk))], bs, dev),
+            prefill=build_group([n], [n], [list(range(nblk))], bs, dev, self.dtype),
         )
         rows = n if logits_rows is None else logits_rows
         return self.model.forward(

@@ -100,6 +100,7 @@ class ModelRunner:
                 [r.block_ids for r, _ in items],
                 bs,
                 self.device,
+                self.model.dtype,
             )
 
         meta = AttentionMetadata(

@@ -28,7 +28,7 @@ class AttnGroup:
 
     num_tokens: int  # flat tokens of this group
     key_slots: torch.Tensor  # [B * L] cache slots of each sequence's context (pad: 0)
-    mask: torch.Tensor | None  # [B, 1, Q, L] bool, True = attend; None = attend all
+    mask: torch.Tensor | None  # [B, 1, Q, L] additive (0 / -inf); None = attend all
     q_index: torch.Tensor | None  # [B*Q] flat-token index of each padded query (None: no pad)
     out_index: torch.Tensor | None  # [num_tokens] padded row of each flat token
     batch: int
@@ -48,6 +48,7 @@ def build_group(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> AttnGroup:
     """Index tensors for one group; O(sequences + blocks) host work.
 
@@ -89,7 +90,9 @@ def build_group(
     return AttnGroup(
         num_tokens=sum(q_lens),
         key_slots=key_slots.to(device),
-        mask=None if mask is None else mask.to(device),
+        # Additive float mask, built once: SDPA would convert a bool mask in every layer.
+        mask=None if mask is None else torch.zeros(mask.shape, dtype=dtype).masked_fill_(
+            ~mask, float("-inf")).to(device),
         q_index=q_index,
         out_index=out_index,
         batch=b,
