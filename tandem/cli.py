@@ -1,4 +1,4 @@
-"""tandem's command line: serve | generate | chat | plan."""
+"""tandem's command line: serve | generate | chat | plan | doctor | bench."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from tandem.bench.cli import register as register_bench
 from tandem.config import EngineConfig
 from tandem.plan.cli import register as register_plan
+from tandem.plan.doctor_cli import register as register_doctor
 from tandem.server.args import add_server_args
 
 ENGINE_HELP = """\
@@ -170,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_engine_args(p)
         add_sampling_args(p)
     register_plan(sub)
+    register_doctor(sub)
     register_bench(sub)
     return parser
 

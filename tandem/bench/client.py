@@ -266,8 +266,11 @@ def _ollama_split(obj: dict) -> dict[str, float]:
              "decode_s": float(obj.get("eval_duration") or 0) * ns,
              "e2e_s": float(obj.get("total_duration") or 0) * ns,
              "prompt_eval_count": float(obj.get("prompt_eval_count") or 0),
-             "output_tokens": float(obj.get("eval_count") or 0)}
-    split["queue_s"] = max(0.0, split["e2e_s"] - split["prefill_s"] - split["decode_s"])
+             "output_tokens": float(obj.get("eval_count") or 0),
+             "load_s": float(obj.get("load_duration") or 0) * ns}
+    # What is left of the total once loading, prefill and decode are taken out: the wait.
+    split["queue_s"] = max(0.0, split["e2e_s"] - split["load_s"] - split["prefill_s"]
+                           - split["decode_s"])
     return split
 
 

@@ -16,9 +16,11 @@ with the numbers filled in and checked by hand. Stated assumptions:
 * Bytes read per decode step = all weights except an untied input embedding
   (a row lookup, not a full read), plus the KV cache of the context so far.
 * KV per token = 2 x layers x kv_heads x head_dim x bytes per element. 16-bit
-  is 2 B; fp8 is 1 B (one scale per tensor, negligible); int8 is q8_0-style:
-  1 B plus an fp16 scale per 32 elements = 1.0625 B. ``auto`` follows the
-  weights: fp32 weights give an fp32 cache, anything else a 16-bit one.
+  is 2 B; fp8 is 1 B (one scale per tensor, negligible); int8 is tandem's
+  layout (``Int8KVCache``): 1 B plus one fp32 scale per token and head, i.e.
+  1 + 4 / head_dim B (1.0625 B at head_dim 64, 1.03125 B at 128); q8_0 is
+  llama.cpp's: 1 B plus an fp16 scale per 32 elements = 1.0625 B. ``auto``
+  follows the weights: fp32 weights give an fp32 cache, anything else 16-bit.
 * Memory for the cache = memory x utilization - reserve - weights - the
   activation peak of one step (what the engine's warm-up would measure).
   GPUs default to utilization 0.92 and no reserve (vLLM's default); CPUs to
@@ -37,13 +39,14 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tandem.plan.devices import GB, Device, GiB
+from tandem.plan.devices import GB, Device, GiB, MiB
 from tandem.plan.presets import ModelSpec
 
 WEIGHT_DTYPES = ("auto", "fp32", "bf16", "fp16", "int8", "int4", "file")
-KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "16bit", "fp8", "int8", "8bit")
+KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "16bit", "fp8", "int8", "8bit", "q8_0")
 INT4_GROUP = 32
 KV8_GROUP = 32
+KV8_DTYPES = ("int8", "fp8", "q8_0")
 BLOCK_SIZE = 16
 DEFAULT_GPU_UTILIZATION = 0.92
 DEFAULT_CPU_RESERVE = 2 * GiB
@@ -117,14 +120,19 @@ def resolve_kv_dtype(kv_cache_dtype: str, weight_dtype: str) -> str:
     return {"16bit": "bf16", "8bit": "int8"}.get(kv, kv)
 
 
-def kv_element_bytes(kv_dtype: str) -> float:
-    """Bytes per cached K or V element, per-block scales included."""
+def kv_element_bytes(kv_dtype: str, head_dim: int) -> float:
+    """Bytes per cached K or V element, scales included.
+
+    int8 is tandem's own cache (an fp32 scale per token and head, so the
+    overhead depends on head_dim); q8_0 is llama.cpp's (fp16 per 32 elements).
+    """
     return {
         "fp32": 4.0,
         "bf16": 2.0,
         "fp16": 2.0,
         "fp8": 1.0,
-        "int8": 1.0 + 2.0 / KV8_GROUP,
+        "int8": 1.0 + 4.0 / head_dim,
+        "q8_0": 1.0 + 2.0 / KV8_GROUP,
     }[kv_dtype]
 
 
@@ -376,7 +384,7 @@ def plan(
 
     # Weights and the KV cache.
     w = weight_bytes(spec, wdtype)
-    elem = kv_element_bytes(kvdtype)
+    elem = kv_element_bytes(kvdtype, spec.head_dim)
     kv_tok = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, elem)
     kv_conv = kv_tok * context
 
@@ -573,7 +581,7 @@ def _flags(p: Plan) -> None:
     if p.max_num_seqs < 1:
         return  # nothing fits: the warnings say what to cut, no flags would work
     n, c = p.max_num_seqs, p.context
-    kv8 = p.kv_cache_dtype in ("int8", "fp8")
+    kv8 = p.kv_cache_dtype in KV8_DTYPES
     quant = p.dtype in ("int8", "int4")
     tandem = [
         f"--max-num-seqs {n}", f"--max-num-batched-tokens {p.max_num_batched_tokens}",
@@ -581,8 +589,10 @@ def _flags(p: Plan) -> None:
     ]
     if p.device.kind == "gpu":
         tandem.append(f"--gpu-memory-utilization {p.gpu_memory_utilization:g}")
-    if kv8:
-        tandem.append(f"--kv-cache-dtype {p.kv_cache_dtype}")
+    else:  # on CPU tandem's pool is exactly this many bytes (default 2 GiB), not "what is free"
+        tandem.append(f"--kv-cache-memory {int(p.cache_bytes // MiB)}MiB")
+    if kv8:  # tandem's only 8-bit cache is int8, whichever 8-bit format was planned
+        tandem.append("--kv-cache-dtype int8")
     if quant:
         tandem.append(f"--quantization {p.dtype}")
     vllm = [
@@ -714,7 +724,7 @@ def _warnings(p: Plan, *, explore: bool) -> None:
             "Ollama hold them; an engine that dequantizes them (tandem computes in fp32 on "
             "CPU) holds and reads more: plan it with --dtype fp32, bf16 or int8"
         )
-    if p.kv_cache_dtype in ("int8", "fp8"):
+    if p.kv_cache_dtype in KV8_DTYPES:
         p.notes.append(
             "llama-server and Ollama quantize the V cache only with flash attention on "
             "(llama-server -fa on, OLLAMA_FLASH_ATTENTION=1)"
@@ -733,7 +743,7 @@ def _explore(p: Plan) -> list[str]:
         reserve_bytes=p.reserve_bytes, users=p.users, gen_seconds=p.gen_seconds,
         turn_seconds=p.turn_seconds, streams=p.streams, block_size=p.block_size, explore=False,
     )
-    if p.kv_cache_dtype not in ("int8", "fp8"):
+    if p.kv_cache_dtype not in KV8_DTYPES:
         q = plan(p.model, p.device, dtype=p.dtype, kv_cache_dtype="int8", **base)
         if q.conversations_fit > p.conversations_fit:
             out.append(

@@ -112,6 +112,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turn-seconds", help="seconds between a user's turns (default 90)")
     p.add_argument("--streams", help="streams that never idle (agents, batch jobs)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    g = p.add_argument_group("engine check")
+    g.add_argument(
+        "--engine-check", action="store_true",
+        help="start tandem's engine on the model (a GGUF file, an HF directory, a config.json "
+        "with random weights, or none for the default model) and compare the planned KV "
+        "bytes per token and cache tokens with the pool it allocates; exit 1 if they differ "
+        "by more than 5%%. With a device, the full plan (in the engine's dtypes) comes first",
+    )
+    g.add_argument(
+        "--kv-cache-memory", metavar="BYTES",
+        help="the KV budget both sides use, e.g. 256MiB (default: tandem's, 2 GiB on CPU; "
+        "on CUDA --gpu-memory-utilization)",
+    )
 
 
 def register(subparsers: Any) -> None:
@@ -191,8 +204,63 @@ def build_plan(args: argparse.Namespace) -> Any:
     )
 
 
+def _has_device(args: argparse.Namespace) -> bool:
+    return bool(args.device or args.measure or args.memory is not None
+                or args.bandwidth is not None)
+
+
+def run_engine_check(args: argparse.Namespace) -> int:
+    """Start the engine, compare, and (given a device) print the plan in its dtypes."""
+    from tandem.plan.engine_check import check_engine, format_check
+
+    if args.model and args.model_opt and args.model != args.model_opt:
+        raise PlanInputError("give the model once (positional or --model)")
+    ref = args.model or args.model_opt
+    memory = None
+    if args.kv_cache_memory is not None:
+        memory = int(parse_bytes(args.kv_cache_memory, "--kv-cache-memory"))
+    context = _number(args.context, "--context", integer=True)
+    util = _number(args.gpu_memory_utilization, "--gpu-memory-utilization")
+    if util is not None and not 0 < util <= 1:
+        raise PlanInputError(f"--gpu-memory-utilization must be in (0, 1], got {util}")
+    if _has_device(args):
+        _device(args)  # bad device flags fail before the model loads
+    chk = check_engine(
+        ref, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=memory,
+        context=context, gpu_memory_utilization=util or 0.92,
+    )
+    p = None
+    if _has_device(args):
+        from tandem.plan.engine_check import resolve_engine_model
+
+        args.model, args.model_opt = resolve_engine_model(ref)[2], None
+        args.dtype, args.kv_cache_dtype = chk.weight_dtype, chk.kv_cache_dtype
+        args.context = str(context or chk.max_model_len)
+        p = build_plan(args)
+    if args.json:
+        out: dict[str, Any] = {"engine_check": chk.to_dict()}
+        if p is not None:
+            out["plan"] = p.to_dict()
+        print(json.dumps(out, indent=2))
+    else:
+        if p is not None:
+            print(format_report(p) + "\n")
+        print(format_check(chk))
+    return 0 if chk.ok else 1
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the plan (text or JSON); 2 and one line on stderr for bad input."""
+    if getattr(args, "engine_check", False):
+        try:
+            return run_engine_check(args)
+        except ValueError as e:
+            print(f"tandem plan: error: {e}", file=sys.stderr)
+            return 2
+    if getattr(args, "kv_cache_memory", None) is not None:
+        print("tandem plan: error: --kv-cache-memory goes with --engine-check (the plan "
+              "itself sizes the cache from --memory or --device)", file=sys.stderr)
+        return 2
     try:
         p = build_plan(args)
     except ValueError as e:  # PlanInputError and the library's validation

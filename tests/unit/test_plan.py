@@ -45,7 +45,10 @@ def test_kv_from_presets_and_8bit() -> None:
     fp8 = cap.plan(load_model("llama-3.1-8b"), DEVICES["h100-sxm"], kv_cache_dtype="fp8")
     assert fp8.kv_bytes_per_token == 65_536
     int8 = cap.plan(load_model("llama-3.1-8b"), DEVICES["h100-sxm"], kv_cache_dtype="int8")
-    assert int8.kv_bytes_per_token == 65_536 * (1 + 2 / 32)  # q8_0: fp16 scale per 32
+    # tandem's int8 cache: an fp32 scale per token and head (4 B per 128-wide head).
+    assert int8.kv_bytes_per_token == 2 * 32 * 8 * (128 + 4) == 67_584
+    q8 = cap.plan(load_model("llama-3.1-8b"), DEVICES["h100-sxm"], kv_cache_dtype="q8_0")
+    assert q8.kv_bytes_per_token == 65_536 * (1 + 2 / 32)  # llama.cpp q8_0: fp16 per 32
 
 
 def test_decode_ceiling_seeds() -> None:
@@ -215,6 +218,8 @@ def test_scenario_cpu_vps_8gb() -> None:
     assert p.reserve_bytes == cap.DEFAULT_CPU_RESERVE and p.gpu_memory_utilization == 1.0
     assert p.fits and p.max_num_seqs >= 2
     assert "--gpu-memory-utilization" not in " ".join(p.flags["tandem"])
+    # On CPU tandem's pool is --kv-cache-memory bytes: the flag carries the planned cache.
+    assert f"--kv-cache-memory {int(p.cache_bytes // 2**20)}MiB" in p.flags["tandem"]
     assert any("slower than people read" in w for w in p.warnings)
     big = cap.plan(load_model("llama-3.1-8b"), vps, users=10)
     assert not big.fits and big.max_num_seqs == 0 and big.flags == {}
@@ -235,6 +240,7 @@ def test_kv8_flags_and_compute_bound() -> None:
                  dtype="int8", streams=4)
     assert "--kv-cache-dtype fp8" in p.flags["vllm"] and "--quantization fp8" in p.flags["vllm"]
     assert "--quantization int8" in p.flags["tandem"]
+    assert "--kv-cache-dtype int8" in p.flags["tandem"]  # tandem's 8-bit cache, not fp8
     assert "--cache-type-k q8_0" in p.flags["llama_server"]
     assert p.flags["ollama"]["OLLAMA_KV_CACHE_TYPE"] == "q8_0"
     _, bound = cap.decode_step(4096, 16e9, 0, 1, 3350e9, 16e9, 989e12)
