@@ -14,15 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -32,33 +28,11 @@ from tandem.config import EngineConfig
 from tandem.engine.async_engine import AsyncEngine
 from tandem.server.app import ServerConfig
 from tests.server.conftest import RunningServer, slow_down, start_server, tiny_engine
+from tests.serving import serve_app
 
 __all__ = ["start_server"]  # the session fixture, re-exported for this directory
 
 API_KEY = "bench-key"
-
-
-def serve_app(app) -> tuple[str, Callable[[], None]]:
-    """Run an ASGI app with uvicorn in a thread on a free port: (url, stop)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
-                                           timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test app did not start")
-        time.sleep(0.01)
-
-    def stop() -> None:
-        server.should_exit = True
-        thread.join(timeout=5)
-
-    return f"http://127.0.0.1:{port}", stop
 
 
 # ------------------------------------------------------------ real servers

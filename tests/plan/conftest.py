@@ -21,8 +21,8 @@ from starlette.routing import Route
 from tandem.config import EngineConfig
 from tandem.engine.async_engine import AsyncEngine
 from tandem.server.app import ServerConfig
-from tests.bench.conftest import serve_app
 from tests.server.conftest import RunningServer, slow_down, start_server, tiny_engine
+from tests.serving import serve_app
 
 __all__ = ["start_server"]  # the session fixture, re-exported for this directory
 

@@ -7,19 +7,17 @@ session) for the SDK tests; ``start_server`` builds a server on any engine
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import httpx
 import pytest
-import uvicorn
 
 from tandem.config import EngineConfig
 from tandem.engine.async_engine import AsyncEngine
 from tandem.server.app import ServerConfig, build_app
+from tests.serving import serve_app
 
 API_KEY = "test-key"
 
@@ -47,32 +45,18 @@ class RunningServer:
 @pytest.fixture(scope="session")
 def start_server():
     """start_server(engine, ServerConfig) -> RunningServer; all stopped at session end."""
-    running: list[tuple[uvicorn.Server, threading.Thread, AsyncEngine]] = []
+    running: list[tuple[Callable[[], None], AsyncEngine]] = []
 
     def start(engine: AsyncEngine, config: ServerConfig | None = None) -> RunningServer:
         app = build_app(engine, config or ServerConfig())
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
-                                        timeout_graceful_shutdown=2))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started:
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise RuntimeError("the test server did not start")
-            time.sleep(0.02)
-        running.append((server, thread, engine))
+        url, stop = serve_app(app)
+        running.append((stop, engine))
         state = app.state.tandem
-        return RunningServer(f"http://127.0.0.1:{port}", engine, state.card.name,
-                             state.api_key)
+        return RunningServer(url, engine, state.card.name, state.api_key)
 
     yield start
-    for server, thread, engine in running:
-        server.should_exit = True
-        thread.join(timeout=10)
+    for stop, engine in running:
+        stop()
         engine.shutdown()
 
 
