@@ -9,8 +9,9 @@ Quantization trades a little quality for fewer bytes read per decode step
 (the seeds' strongest lever on decode speed):
 
 * int8: symmetric, one fp32 scale per output channel. On CPU, activations are
-  quantized per token too (W8A8) and multiplied by fbgemm's int8 kernels (2x
-  faster here than ``torch._int_mm``); on CUDA the weight is dequantized inside
+  quantized per token too (W8A8) and multiplied by fbgemm's int8 kernels
+  (batch 1: 9.7 ms for all layer matmuls vs 13.3 with ``torch._int_mm``, 16.1 in
+  fp32; batch 32: 27 vs 28 vs 48); on CUDA the weight is dequantized inside
   the matmul (y = (x @ q) * scale), saving memory, not time.
 * int4: asymmetric, groups of ``group_size`` input weights with a scale and a
   zero point each. On CPU it runs torch's int4-pack matmul
