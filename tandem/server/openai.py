@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
@@ -377,33 +377,41 @@ class _View:
         return {**self._header("text_completion"), "choices": choices, "usage": self.usage(),
                 "tandem": self.tandem()}
 
-    async def completion_chunks(self, echo: list[str], include_usage: bool
-                                ) -> AsyncIterator[dict]:
-        started: set[int] = set()
-        left = len(self.gen.choices)
-        async for index, out in self.gen:
-            c = self.gen.choices[index]
+    def completion_chunks(self, echo: list[str], include_usage: bool) -> AsyncIterator[dict]:
+        def body(index: int, out: RequestOutput, first: bool) -> dict:
             text = out.delta_text
-            if index not in started:
-                started.add(index)
+            if first:  # echo: the prompt precedes the first token's text
                 prefix = echo[index // self.n]
                 self._offsets[index] = len(prefix)
                 text = prefix + text
-            k = c.params.logprobs
-            choice = {
-                "index": index, "text": text,
-                "logprobs": None if k is None else self._completion_logprobs(index, [out], k),
-                "finish_reason": out.finish_reason if out.finished else None,
-            }
+            k = self.gen.choices[index].params.logprobs
+            return {"text": text,
+                    "logprobs": None if k is None else self._completion_logprobs(index, [out], k)}
+
+        return self._chunks("text_completion", include_usage, body)
+
+    async def _chunks(
+        self, obj: str, include_usage: bool,
+        body: Callable[[int, RequestOutput, bool], dict],
+    ) -> AsyncIterator[dict]:
+        """The streaming loop both endpoints share; body(index, out, first) gives the
+        choice's text or delta and logprobs."""
+        started: set[int] = set()
+        left = len(self.gen.choices)
+        async for index, out in self.gen:
+            first = index not in started
+            started.add(index)
+            choice = {"index": index, **body(index, out, first),
+                      "finish_reason": out.finish_reason if out.finished else None}
             if out.finished:
                 choice["stop_reason"] = out.outputs[0].stop_reason
                 left -= 1
             if self.return_token_ids:
                 choice["token_ids"] = out.new_token_ids
-            chunk = {**self._header("text_completion"), "choices": [choice]}
+            chunk = {**self._header(obj), "choices": [choice]}
             yield self._finish_chunk(chunk, include_usage, last=left == 0)
         if include_usage:
-            yield {**self._header("text_completion"), "choices": [], "usage": self.usage(),
+            yield {**self._header(obj), "choices": [], "usage": self.usage(),
                    "tandem": self.tandem()}
 
     def _finish_chunk(self, chunk: dict, include_usage: bool, last: bool) -> dict:
@@ -434,29 +442,13 @@ class _View:
             resp["prompt_token_ids"] = self.gen.choices[0].prompt_ids
         return resp
 
-    async def chat_chunks(self, include_usage: bool) -> AsyncIterator[dict]:
-        started: set[int] = set()
-        left = len(self.gen.choices)
-        async for index, out in self.gen:
-            c = self.gen.choices[index]
-            delta: dict = {}
-            if index not in started:  # the role travels with the first token
-                started.add(index)
-                delta["role"] = "assistant"
+    def chat_chunks(self, include_usage: bool) -> AsyncIterator[dict]:
+        def body(index: int, out: RequestOutput, first: bool) -> dict:
+            # The role travels with the first token, so client-side TTFT is honest.
+            delta = {"role": "assistant"} if first else {}
             delta["content"] = out.delta_text
-            k = c.params.logprobs
-            choice = {
-                "index": index, "delta": delta,
-                "logprobs": None if k is None else self._chat_logprobs([out], k),
-                "finish_reason": out.finish_reason if out.finished else None,
-            }
-            if out.finished:
-                choice["stop_reason"] = out.outputs[0].stop_reason
-                left -= 1
-            if self.return_token_ids:
-                choice["token_ids"] = out.new_token_ids
-            chunk = {**self._header("chat.completion.chunk"), "choices": [choice]}
-            yield self._finish_chunk(chunk, include_usage, last=left == 0)
-        if include_usage:
-            yield {**self._header("chat.completion.chunk"), "choices": [],
-                   "usage": self.usage(), "tandem": self.tandem()}
+            k = self.gen.choices[index].params.logprobs
+            return {"delta": delta,
+                    "logprobs": None if k is None else self._chat_logprobs([out], k)}
+
+        return self._chunks("chat.completion.chunk", include_usage, body)
