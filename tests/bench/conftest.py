@@ -227,8 +227,8 @@ def _parse_event(raw: bytes, sse: bool) -> dict | str:
     return "[DONE]" if text == "[DONE]" else json.loads(text)
 
 
-@pytest.fixture
-def recording_proxy():
+def _proxies():
+    """start(upstream) -> RecordingProxy; every proxy stopped when the fixture ends."""
     proxies: list[RecordingProxy] = []
 
     def start(upstream: str) -> RecordingProxy:
@@ -238,17 +238,14 @@ def recording_proxy():
     yield start
     for p in proxies:
         p.stop()
+
+
+@pytest.fixture
+def recording_proxy():
+    yield from _proxies()
 
 
 @pytest.fixture(scope="module")
 def recording_proxy_module():
     """recording_proxy, shared by one module's tests."""
-    proxies: list[RecordingProxy] = []
-
-    def start(upstream: str) -> RecordingProxy:
-        proxies.append(RecordingProxy(upstream))
-        return proxies[-1]
-
-    yield start
-    for p in proxies:
-        p.stop()
+    yield from _proxies()
