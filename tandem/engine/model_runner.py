@@ -101,6 +101,7 @@ class ModelRunner:
                 bs,
                 self.device,
                 self.model.dtype,
+                self.model.fused,
             )
 
         meta = AttentionMetadata(

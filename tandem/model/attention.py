@@ -4,9 +4,12 @@ The KV cache of one layer (tandem.model.kv_cache) holds ``[num_slots, 2,
 num_kv_heads, head_dim]`` (slot = block_id * block_size + offset; index 0 of
 dim 1 is K, 1 is V), so a step writes all its new K/V with one indexed copy.
 
-aten has no paged/varlen attention op, so each step gathers every sequence's
-keys through its block table into a padded batch and calls SDPA with a mask.
-All index and mask tensors are built once per step (``AttentionMetadata``) and
+Decodes (one query per sequence) run tandem's fused kernel when it is built
+(``fused=True``: torch.ops.tandem.paged_attention_decode reads K/V straight
+from the cache through each block table). Otherwise, and for prefill chunks,
+each step gathers every sequence's keys through its block table into a padded
+batch and calls SDPA with a mask (aten has no paged/varlen attention op). All
+index and mask tensors are built once per step (``AttentionMetadata``) and
 reused by every layer. The flat batch is ordered decodes first, then prefill
 chunks, so the two groups are contiguous slices: decodes need no query padding
 and a lone prefill chunk needs none either.
@@ -27,12 +30,15 @@ class AttnGroup:
     """Sequences attended together: padded to the same query and key length."""
 
     num_tokens: int  # flat tokens of this group
-    key_slots: torch.Tensor  # [B * L] cache slots of each sequence's context (pad: 0)
+    key_slots: torch.Tensor | None  # [B * L] cache slots of each context (pad: 0); None: fused
     mask: torch.Tensor | None  # [B, 1, Q, L] additive (0 / -inf); None = attend all
     q_index: torch.Tensor | None  # [B*Q] flat-token index of each padded query (None: no pad)
     out_index: torch.Tensor | None  # [num_tokens] padded row of each flat token
     batch: int
     q_len: int
+    block_size: int = 0
+    block_table: torch.Tensor | None = None  # [B, blocks] int32, for the fused decode kernel
+    context_lens: torch.Tensor | None = None  # [B] int32, for the fused decode kernel
 
 
 @dataclass
@@ -49,11 +55,13 @@ def build_group(
     block_size: int,
     device: torch.device,
     dtype: torch.dtype = torch.float32,
+    fused: bool = False,
 ) -> AttnGroup:
     """Index tensors for one group; O(sequences + blocks) host work.
 
     q_lens[i] new tokens of sequence i attend causally to its ctx_lens[i]
-    cached+new tokens (the new ones are the last q_lens[i]).
+    cached+new tokens (the new ones are the last q_lens[i]). ``fused``: a
+    decode group gets the block table and lengths the fused kernel reads.
     """
     b = len(q_lens)
     max_q, max_ctx = max(q_lens), max(ctx_lens)
@@ -65,6 +73,12 @@ def build_group(
     offs = torch.arange(block_size, dtype=torch.long)
     key_slots = (table.unsqueeze(-1) * block_size + offs).view(b, -1)[:, :max_ctx].reshape(-1)
     ctx = torch.tensor(ctx_lens, dtype=torch.long)
+    if fused and max_q == 1:
+        return AttnGroup(
+            num_tokens=b, key_slots=None, mask=None, q_index=None, out_index=None, batch=b,
+            q_len=1, block_size=block_size, block_table=table.to(device, torch.int32),
+            context_lens=ctx.to(device, torch.int32),
+        )
     key_pos = torch.arange(max_ctx, dtype=torch.long)
     mask = None
     q_index = out_index = None
@@ -103,6 +117,10 @@ def build_group(
 def _attend(q: torch.Tensor, kv_cache: KVCache, g: AttnGroup, scale: float) -> torch.Tensor:
     """q: [Tg, H, D] flat queries of the group -> [Tg, H*D]."""
     t, h, d = q.shape
+    if g.block_table is not None:
+        return torch.ops.tandem.paged_attention_decode(
+            q, *kv_cache.kernel_args, g.block_table, g.context_lens, g.block_size, scale
+        )
     kv = kv_cache.gather(g.key_slots)
     kv = kv.view(g.batch, -1, *kv.shape[1:])
     k = kv[:, :, 0].transpose(1, 2)  # [B, Hkv, L, D]

@@ -36,6 +36,11 @@ class DenseKVCache:
         """[N] slots -> [N, 2, Hkv, D] (index_select: ~15x cheaper per call than [])."""
         return self.data.index_select(0, slots)
 
+    @property
+    def kernel_args(self) -> tuple[torch.Tensor, None]:
+        """(cache, scales) as tandem's fused kernels take them."""
+        return self.data, None
+
 
 class Int8KVCache:
     def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int,
@@ -59,6 +64,10 @@ class Int8KVCache:
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         q = self.q.index_select(0, slots)
         return (q.to(torch.float32) * self.scale.index_select(0, slots)).to(self.dtype)
+
+    @property
+    def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q, self.scale
 
 
 KVCache = DenseKVCache | Int8KVCache

@@ -6,6 +6,10 @@ fused into one matmul each (tandem.model.linear: dense or quantized, the
 residual add fused where it can be); RoPE cos/sin are precomputed for every position;
 K/V go into the paged cache with one indexed copy per layer. The logits are
 computed only for the rows that sample.
+
+On CPU in fp32, tandem's fused kernels (tandem._custom_ops: RMSNorm, RoPE plus
+the cache write, SiLU-and-mul, decode attention) replace ~15 small ops per
+layer; the torch code beside each call is the reference path used without them.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem import _custom_ops
 from tandem.model.attention import AttentionMetadata, paged_attention
 from tandem.model.kv_cache import KVCache
 from tandem.model.linear import Linear
@@ -143,6 +148,7 @@ class LlamaModel:
         # rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]: one op fewer than cat.
         self.cos = torch.cat((freqs.cos(), freqs.cos()), -1).to(dev, dt)
         self.sin = torch.cat((-freqs.sin(), freqs.sin()), -1).to(dev, dt)
+        self.fused = _custom_ops.AVAILABLE and dev.type == "cpu" and dt == torch.float32
 
     @property
     def device(self) -> torch.device:
@@ -153,7 +159,15 @@ class LlamaModel:
         return self.embed.dtype
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.dim() == 2:
+            return torch.ops.tandem.rms_norm(x, w, self.eps)
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+
+    def _silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return torch.ops.tandem.silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, -1)
+        return F.silu(gate) * up
 
     @torch.inference_mode()
     def forward(
@@ -167,25 +181,31 @@ class LlamaModel:
         """Run the flat batch; returns fp32 logits for the rows in logits_indices."""
         h, hkv, d = self.h, self.hkv, self.d
         t = input_ids.shape[0]
-        cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        fused = self.fused
+        if not fused:
+            cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
+            sin = self.sin.index_select(0, positions).unsqueeze(1)
         x = self.embed.index_select(0, input_ids)
         slots = meta.slot_mapping
         for layer, cache in zip(self.layers, kv_caches):
             qkv = layer.qkv(self._rms_norm(x, layer.input_norm)).view(t, h + 2 * hkv, d)
-            qk = qkv[:, : h + hkv]
-            if layer.q_norm is not None:
-                qk = torch.cat(
-                    (self._rms_norm(qk[:, :h], layer.q_norm),
-                     self._rms_norm(qk[:, h:], layer.k_norm)), 1
+            if layer.q_norm is not None:  # a fresh tensor: normalized in place
+                qkv[:, :h] = self._rms_norm(qkv[:, :h], layer.q_norm)
+                qkv[:, h : h + hkv] = self._rms_norm(qkv[:, h : h + hkv], layer.k_norm)
+            if fused:  # RoPE in place on Q and K, then K and V into their slots
+                torch.ops.tandem.rotary_embedding_and_cache(
+                    qkv, positions, self.cos, self.sin, h, hkv, *cache.kernel_args, slots
                 )
-            qk = qk * cos + qk.roll(d // 2, -1) * sin
-            kv_new = torch.cat((qk[:, h:], qkv[:, h + hkv :]), 1).view(t, 2, hkv, d)
-            cache.write(slots, kv_new)
-            attn = paged_attention(qk[:, :h], cache, meta, self.scale)
+                q = qkv[:, :h]
+            else:
+                qk = qkv[:, : h + hkv]
+                qk = qk * cos + qk.roll(d // 2, -1) * sin
+                cache.write(slots, torch.cat((qk[:, h:], qkv[:, h + hkv :]), 1).view(t, 2, hkv, d))
+                q = qk[:, :h]
+            attn = paged_attention(q, cache, meta, self.scale)
             x = layer.o.add(x, attn)
-            gate, up = layer.gate_up(self._rms_norm(x, layer.post_norm)).chunk(2, -1)
-            x = layer.down.add(x, F.silu(gate) * up)
+            x = layer.down.add(x, self._silu_and_mul(
+                layer.gate_up(self._rms_norm(x, layer.post_norm))))
         if logits_indices is None:
             return None
         x = self._rms_norm(x.index_select(0, logits_indices), self.norm)

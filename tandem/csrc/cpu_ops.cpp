@@ -1,0 +1,503 @@
+// tandem's CPU kernels: the per-layer glue of a decode step, fused.
+//
+// A decode step at batch 1 spends ~6 ms of its ~25 in ~25 small aten ops per
+// layer (norms, RoPE, the KV write, the KV gather, SDPA). These kernels do the
+// same math in one pass each, and the decode attention reads K/V straight from
+// the paged cache through the block table instead of gathering a padded copy
+// (at batch 32 that copy moved ~12 MB per layer per step).
+//
+// Numerics follow the torch reference paths in tandem/model/*.py: fp32
+// accumulation everywhere, RoPE computed as x*cos - y*sin without contraction
+// (built with -ffp-contract=off) like HF's, int8 KV quantized per token and
+// head with round-half-even exactly as Int8KVCache.write does.
+//
+// Built by tandem/_custom_ops.py with the host's g++ against torch's headers;
+// registered as torch.ops.tandem.*.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// exp(x) for x <= 0 (softmax) and moderate x (SiLU): Cephes' expf, written so
+// the compiler vectorizes loops over it (no libm call). ~1 ulp.
+inline float exp_approx(float x) {
+  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+  const float t = x * 1.44269504088896341f + 0.5f;
+  int32_t n = static_cast<int32_t>(t);  // floor(t), without a libm call
+  n -= static_cast<float>(n) > t ? 1 : 0;
+  const float fx = static_cast<float>(n);
+  float r = x - fx * 0.693359375f;
+  r = r + fx * 2.12194440e-4f;
+  float z = r * r;
+  float y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r +
+              4.1665795894e-2f) * r + 1.6666665459e-1f) * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  const int32_t e = (n + 127) << 23;
+  return y * __builtin_bit_cast(float, e);
+}
+
+void check_float_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name,
+              " must be a float32 CPU tensor");
+  TORCH_CHECK(t.stride(-1) == 1, name, " must have contiguous rows");
+}
+
+// out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_float_rows(x, "x");
+  check_float_rows(w, "w");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.size(0) == x.size(1), "rms_norm: shape mismatch");
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0);
+  auto out = at::empty({rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; t++) {
+      const float* r = xp + t * xs;
+      float* o = op + t * n;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < n; i++) ss += r[i] * r[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + feps);
+#pragma omp simd
+      for (int64_t i = 0; i < n; i++) o[i] = wp[i] * (r[i] * inv);
+    }
+  });
+  return out;
+}
+
+// x: [T, 2N] (gate | up) -> silu(gate) * up: [T, N]
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_float_rows(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be [T, 2N]");
+  const int64_t rows = x.size(0), n = x.size(1) / 2, xs = x.stride(0);
+  auto out = at::empty({rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; t++) {
+      const float* g = xp + t * xs;
+      const float* u = g + n;
+      float* o = op + t * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+// In place on qkv [T, H + 2*Hkv, D] (rows contiguous): rotate the H query and
+// Hkv key heads by their position (HF's rotate_half convention; cos/sin are
+// tandem's [P, D] tables, cos = [c, c], sin = [-s, s]); then write each
+// token's K and V to its cache slot: dense cache [S, 2, Hkv, D] of the qkv
+// dtype, or int8 [S, 2, Hkv, D] plus fp32 scale [S, 2, Hkv, 1].
+void rotary_embedding_and_cache(const at::Tensor& qkv, const at::Tensor& positions,
+                                const at::Tensor& cos, const at::Tensor& sin,
+                                int64_t num_heads, int64_t num_kv_heads, const at::Tensor& cache,
+                                const std::optional<at::Tensor>& cache_scale,
+                                const at::Tensor& slots) {
+  check_float_rows(qkv, "qkv");
+  TORCH_CHECK(qkv.dim() == 3 && qkv.size(1) == num_heads + 2 * num_kv_heads && qkv.is_contiguous(),
+              "qkv must be a contiguous [T, H + 2 Hkv, D]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong,
+              "positions and slots must be int64");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "rope tables must be contiguous");
+  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 4, "cache must be a contiguous [S, 2, Hkv, D]");
+  const int64_t T = qkv.size(0), D = qkv.size(2), half = D / 2, hkv = num_kv_heads;
+  const int64_t rot_heads = num_heads + num_kv_heads;
+  const bool int8 = cache_scale.has_value();
+  TORCH_CHECK(int8 ? cache.scalar_type() == at::kChar : cache.scalar_type() == at::kFloat,
+              "cache dtype does not match its kind");
+  float* qp = qkv.data_ptr<float>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t row = (num_heads + 2 * hkv) * D;
+  at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; t++) {
+      float* x = qp + t * row;
+      const float* c = cp + pos[t] * D;
+      const float* s = sp + pos[t] * D + half;  // +sin
+      for (int64_t h = 0; h < rot_heads; h++) {
+        float* a = x + h * D;
+        float* y = a + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; i++) {
+          const float x1 = a[i], x2 = y[i];
+          a[i] = x1 * c[i] - x2 * s[i];
+          y[i] = x2 * c[i] + x1 * s[i];
+        }
+      }
+      const float* kv = x + num_heads * D;  // K heads then V heads: [2, Hkv, D]
+      if (!int8) {
+        std::memcpy(cache.data_ptr<float>() + slot[t] * 2 * hkv * D, kv, 2 * hkv * D * sizeof(float));
+        continue;
+      }
+      int8_t* qd = cache.data_ptr<int8_t>() + slot[t] * 2 * hkv * D;
+      float* sd = cache_scale->data_ptr<float>() + slot[t] * 2 * hkv;
+      for (int64_t h = 0; h < 2 * hkv; h++) {
+        const float* src = kv + h * D;
+        float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+        for (int64_t i = 0; i < D; i++) amax = std::max(amax, std::fabs(src[i]));
+        const float scale = std::max(amax, 1e-8f) / 127.0f;
+        sd[h] = scale;
+        for (int64_t i = 0; i < D; i++)
+          qd[h * D + i] = static_cast<int8_t>(std::nearbyint(src[i] / scale));
+      }
+    }
+  });
+}
+
+// Decode attention works block by block on one KV head's group of query
+// heads: qk_* writes their scores for the block's n keys, pv_* adds the
+// probability-weighted V rows to their [group, D] accumulators. Row r of a
+// block is at rows + r * row_stride; scales (int8 cache) at sc + r * sc_stride.
+struct BlockArgs {
+  int64_t n, row_stride, sc_stride, group, D, bs;  // bs: row stride of scores
+};
+
+template <typename KV>
+void qk_generic(const float* q, int64_t qs, const KV* rows, const float* sc, const BlockArgs& a,
+                float scale, float* scores) {
+  for (int64_t o = 0; o < a.n; o++) {
+    const KV* k = rows + o * a.row_stride;
+    const float ks = (sc ? sc[o * a.sc_stride] : 1.f) * scale;
+    for (int64_t g = 0; g < a.group; g++) {
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t i = 0; i < a.D; i++) dot += q[g * qs + i] * static_cast<float>(k[i]);
+      scores[g * a.bs + o] = dot * ks;
+    }
+  }
+}
+
+template <typename KV>
+void pv_generic(const float* probs, const KV* rows, const float* sc, const BlockArgs& a,
+                float* acc) {
+  for (int64_t o = 0; o < a.n; o++) {
+    const KV* v = rows + o * a.row_stride;
+    const float vs = sc ? sc[o * a.sc_stride] : 1.f;
+    for (int64_t g = 0; g < a.group; g++) {
+      const float p = probs[g * a.bs + o] * vs;
+#pragma omp simd
+      for (int64_t i = 0; i < a.D; i++) acc[g * a.D + i] += p * static_cast<float>(v[i]);
+    }
+  }
+}
+
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// G query heads x NC 16-float chunks held in registers across the block.
+template <typename KV, int G, int NC>
+void qk_avx512(const float* q, int64_t qs, const KV* rows, const float* sc, const BlockArgs& a,
+               float scale, float* scores) {
+  __m512 qv[G][NC];
+  for (int g = 0; g < G; g++)
+    for (int c = 0; c < NC; c++) qv[g][c] = _mm512_loadu_ps(q + g * qs + c * 16);
+  for (int64_t o = 0; o < a.n; o++) {
+    const KV* k = rows + o * a.row_stride;
+    __m512 acc[G];
+    for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
+    for (int c = 0; c < NC; c++) {
+      const __m512 kc = load16(k + c * 16);
+      for (int g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(qv[g][c], kc, acc[g]);
+    }
+    const float ks = (sc ? sc[o * a.sc_stride] : 1.f) * scale;
+    for (int g = 0; g < G; g++) scores[g * a.bs + o] = _mm512_reduce_add_ps(acc[g]) * ks;
+  }
+}
+
+template <typename KV, int G, int NC>
+void pv_avx512(const float* probs, const KV* rows, const float* sc, const BlockArgs& a,
+               float* acc) {
+  __m512 av[G][NC];
+  for (int g = 0; g < G; g++)
+    for (int c = 0; c < NC; c++) av[g][c] = _mm512_loadu_ps(acc + g * NC * 16 + c * 16);
+  for (int64_t o = 0; o < a.n; o++) {
+    const KV* v = rows + o * a.row_stride;
+    const float vs = sc ? sc[o * a.sc_stride] : 1.f;
+    __m512 p[G];
+    for (int g = 0; g < G; g++) p[g] = _mm512_set1_ps(probs[g * a.bs + o] * vs);
+    for (int c = 0; c < NC; c++) {
+      const __m512 vc = load16(v + c * 16);
+      for (int g = 0; g < G; g++) av[g][c] = _mm512_fmadd_ps(p[g], vc, av[g][c]);
+    }
+  }
+  for (int g = 0; g < G; g++)
+    for (int c = 0; c < NC; c++) _mm512_storeu_ps(acc + g * NC * 16 + c * 16, av[g][c]);
+}
+#endif
+
+template <typename KV>
+struct BlockKernels {
+  void (*qk)(const float*, int64_t, const KV*, const float*, const BlockArgs&, float, float*) =
+      qk_generic<KV>;
+  void (*pv)(const float*, const KV*, const float*, const BlockArgs&, float*) = pv_generic<KV>;
+};
+
+#ifdef __AVX512F__
+template <typename KV, int NC>
+void pick_group(int64_t group, BlockKernels<KV>& k) {
+  switch (group) {
+#define TANDEM_GROUP(G)          \
+  case G:                        \
+    k.qk = qk_avx512<KV, G, NC>; \
+    k.pv = pv_avx512<KV, G, NC>; \
+    return;
+    TANDEM_GROUP(1) TANDEM_GROUP(2) TANDEM_GROUP(3) TANDEM_GROUP(4)
+    TANDEM_GROUP(5) TANDEM_GROUP(6) TANDEM_GROUP(7) TANDEM_GROUP(8)
+#undef TANDEM_GROUP
+    default:
+      return;
+  }
+}
+#endif
+
+// Register-blocked kernels for the common shapes (head size 64 or 128, up to
+// 8 query heads per KV head), the generic loops otherwise.
+template <typename KV>
+BlockKernels<KV> pick_kernels(int64_t group, int64_t D) {
+  BlockKernels<KV> k;
+#ifdef __AVX512F__
+  if (D == 64) pick_group<KV, 4>(group, k);
+  if (D == 128) pick_group<KV, 8>(group, k);
+#endif
+  return k;
+}
+
+// One decode query per sequence against its paged context: the query heads of
+// KV heads [kv0, kv1) of one sequence. A single pass over the context, block
+// by block, with an online softmax: each cache row (all of a slot's K and V
+// heads, contiguous) is read from memory once, and the heads sharing a KV head
+// reuse it from L1. out points at head kv0 * group.
+template <typename KV>
+void attend_seq(const BlockKernels<KV>& kern, const float* q, int64_t q_head_stride,
+                const KV* cache, const float* kv_scale, const int32_t* table, int64_t ctx,
+                int64_t block_size, int64_t hkv, int64_t kv0, int64_t kv1, int64_t group,
+                int64_t D, float scale, float* out, std::vector<float>& buf) {
+  const int64_t nh = (kv1 - kv0) * group, slot_stride = 2 * hkv * D;
+  buf.resize(nh * (block_size + 2 + D));
+  float* sc = buf.data();  // [nh, block_size] scores, then probabilities
+  float* m = sc + nh * block_size;  // running max
+  float* l = m + nh;  // running sum of exp
+  float* acc = l + nh;  // [nh, D] running numerator
+  std::fill(m, m + nh, -INFINITY);
+  std::fill(l, l + nh + nh * D, 0.f);
+  BlockArgs a{0, slot_stride, 2 * hkv, group, D, block_size};
+  for (int64_t start = 0, blk = 0; start < ctx; start += block_size, blk++) {
+    a.n = std::min(block_size, ctx - start);
+    const int64_t base = static_cast<int64_t>(table[blk]) * block_size;
+    for (int64_t kvh = kv0; kvh < kv1; kvh++) {
+      const int64_t h0 = (kvh - kv0) * group;
+      kern.qk(q + h0 * q_head_stride, q_head_stride, cache + base * slot_stride + kvh * D,
+              kv_scale ? kv_scale + base * 2 * hkv + kvh : nullptr, a, scale,
+              sc + h0 * block_size);
+    }
+    for (int64_t h = 0; h < nh; h++) {
+      float* s = sc + h * block_size;
+      float bm = m[h];
+      for (int64_t o = 0; o < a.n; o++) bm = s[o] > bm ? s[o] : bm;
+      const float alpha = exp_approx(m[h] - bm);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t o = 0; o < a.n; o++) {
+        s[o] = exp_approx(s[o] - bm);
+        sum += s[o];
+      }
+      l[h] = l[h] * alpha + sum;
+      m[h] = bm;
+      if (alpha != 1.f) {
+        float* ah = acc + h * D;
+#pragma omp simd
+        for (int64_t i = 0; i < D; i++) ah[i] *= alpha;
+      }
+    }
+    for (int64_t kvh = kv0; kvh < kv1; kvh++) {
+      const int64_t h0 = (kvh - kv0) * group;
+      kern.pv(sc + h0 * block_size, cache + base * slot_stride + (hkv + kvh) * D,
+              kv_scale ? kv_scale + base * 2 * hkv + hkv + kvh : nullptr, a, acc + h0 * D);
+    }
+  }
+  for (int64_t h = 0; h < nh; h++) {
+    const float inv = 1.f / l[h];
+#pragma omp simd
+    for (int64_t i = 0; i < D; i++) out[h * D + i] = acc[h * D + i] * inv;
+  }
+}
+
+at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& cache,
+                                  const std::optional<at::Tensor>& cache_scale,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                  int64_t block_size, double scale) {
+  check_float_rows(q, "q");
+  TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
+  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 4, "cache must be a contiguous [S, 2, Hkv, D]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(),
+              "block_tables and context_lens must be contiguous int32");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), hkv = cache.size(2);
+  TORCH_CHECK(cache.size(3) == D && H % hkv == 0, "q and cache heads do not match");
+  const int64_t group = H / hkv, nb = block_tables.size(1);
+  const bool int8 = cache_scale.has_value();
+  TORCH_CHECK(int8 ? cache.scalar_type() == at::kChar : cache.scalar_type() == at::kFloat,
+              "cache dtype does not match its kind");
+  auto out = at::empty({B, H * D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const int32_t* tp = block_tables.data_ptr<int32_t>();
+  const int32_t* lp = context_lens.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  const float* sp = int8 ? cache_scale->data_ptr<float>() : nullptr;
+  const void* cp = cache.data_ptr();
+  // Work items: whole sequences when there are enough of them to share out
+  // (each cache row then streams from memory once), else (sequence, KV head).
+  const int64_t heads_per_item = B >= 2 * at::get_num_threads() ? hkv : 1;
+  const int64_t items_per_seq = hkv / heads_per_item;
+  int64_t total_ctx = 0;
+  for (int64_t b = 0; b < B; b++) total_ctx += lp[b];
+  // Stay on this thread unless the work pays for waking the others.
+  const int64_t work = total_ctx * hkv * D * 2;
+  const int64_t grain = work < 32768 ? B * items_per_seq : 1;
+  const float fscale = static_cast<float>(scale);
+  const auto kf = pick_kernels<float>(group, D);
+  const auto k8 = pick_kernels<int8_t>(group, D);
+  at::parallel_for(0, B * items_per_seq, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    for (int64_t w = begin; w < end; w++) {
+      const int64_t b = w / items_per_seq, kv0 = (w % items_per_seq) * heads_per_item;
+      const float* qb = qp + b * qs0 + kv0 * group * qs1;
+      float* ob = op + b * H * D + kv0 * group * D;
+      if (int8)
+        attend_seq<int8_t>(k8, qb, qs1, static_cast<const int8_t*>(cp), sp, tp + b * nb, lp[b],
+                           block_size, hkv, kv0, kv0 + heads_per_item, group, D, fscale, ob, buf);
+      else
+        attend_seq<float>(kf, qb, qs1, static_cast<const float*>(cp), nullptr, tp + b * nb, lp[b],
+                          block_size, hkv, kv0, kv0 + heads_per_item, group, D, fscale, ob, buf);
+    }
+  });
+  return out;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// W8A8 linear for few rows, bit-identical to the fbgemm path of
+// tandem.model.linear.Int8Linear (so a request's logits do not depend on which
+// path its batch took): each row x is scaled to absmax 1 (sx), quantized with
+// fbgemm's parameters for the range [-1, 1] (scale 2/255, zero point 128),
+// multiplied in exact int32 by the per-channel int8 weights, and rescaled as
+// fbgemm does: float(acc) * (a_scale * w_scale[n]), then * sx.
+// fbgemm's GEMV reads int8 weights at ~11 GB/s at batch 1; this streams four
+// weight rows at a time through VNNI dot products at the memory's pace.
+// x [M, K] f32; wq [N, K] int8; w_sum [N] int32 (row sums of wq);
+// mult [N] f32 (= a_scale * w_scale) -> [M, N] f32.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& w_sum,
+                       const at::Tensor& mult) {
+  check_float_rows(x, "x");
+  TORCH_CHECK(x.dim() == 2 && wq.dim() == 2 && wq.size(1) == x.size(1) && wq.is_contiguous() &&
+                  wq.scalar_type() == at::kChar,
+              "int8_linear: wq must be a contiguous int8 [N, K] matching x [M, K]");
+  TORCH_CHECK(w_sum.scalar_type() == at::kInt && mult.scalar_type() == at::kFloat &&
+                  w_sum.numel() == wq.size(0) && mult.numel() == wq.size(0),
+              "int8_linear: w_sum (int32) and mult (float32) need one entry per output");
+  const int64_t M = x.size(0), K = x.size(1), N = wq.size(0), kp = (K + 63) / 64 * 64;
+  auto out = at::empty({M, N}, x.options());
+  // Quantized rows, zero-padded to whole 64-byte chunks (padding adds 0 * w).
+  std::vector<uint8_t> qa(M * kp, 0);
+  std::vector<float> sxs(M);
+  const float a_inv = 1.0f / (2.0f / 255.0f);
+  for (int64_t m = 0; m < M; m++) {
+    const float* r = x.data_ptr<float>() + m * x.stride(0);
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; k++) amax = std::max(amax, std::fabs(r[k]));
+    const float sx = std::max(amax, 1e-12f);
+    sxs[m] = sx;
+    uint8_t* q = qa.data() + m * kp;
+    for (int64_t k = 0; k < K; k++) {
+      const float v = std::nearbyint((r[k] / sx) * a_inv) + 128.0f;
+      q[k] = static_cast<uint8_t>(std::min(std::max(v, 0.0f), 255.0f));
+    }
+  }
+  const int8_t* wp = wq.data_ptr<int8_t>();
+  const int32_t* ws = w_sum.data_ptr<int32_t>();
+  const float* mp = mult.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t full = K / 64;
+  const __mmask64 tail = K % 64 ? (~0ULL >> (64 - K % 64)) : 0;
+  auto finish = [&](int64_t m, int64_t n, int32_t acc) {
+    op[m * N + n] = static_cast<float>(acc - 128 * ws[n]) * mp[n] * sxs[m];
+  };
+  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; t++) {
+      const int64_t n0 = t * 4, nr = std::min<int64_t>(4, N - n0);
+      const int8_t* w[4];
+      for (int64_t r = 0; r < 4; r++) w[r] = wp + (n0 + std::min(r, nr - 1)) * K;
+      for (int64_t m = 0; m < M; m++) {
+        const uint8_t* a = qa.data() + m * kp;
+        __m512i acc0 = _mm512_setzero_si512(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+        for (int64_t c = 0; c < full; c++) {
+          const __m512i av = _mm512_loadu_si512(a + c * 64);
+          acc0 = _mm512_dpbusd_epi32(acc0, av, _mm512_loadu_si512(w[0] + c * 64));
+          acc1 = _mm512_dpbusd_epi32(acc1, av, _mm512_loadu_si512(w[1] + c * 64));
+          acc2 = _mm512_dpbusd_epi32(acc2, av, _mm512_loadu_si512(w[2] + c * 64));
+          acc3 = _mm512_dpbusd_epi32(acc3, av, _mm512_loadu_si512(w[3] + c * 64));
+        }
+        if (tail) {
+          const __m512i av = _mm512_loadu_si512(a + full * 64);
+          acc0 = _mm512_dpbusd_epi32(acc0, av, _mm512_maskz_loadu_epi8(tail, w[0] + full * 64));
+          acc1 = _mm512_dpbusd_epi32(acc1, av, _mm512_maskz_loadu_epi8(tail, w[1] + full * 64));
+          acc2 = _mm512_dpbusd_epi32(acc2, av, _mm512_maskz_loadu_epi8(tail, w[2] + full * 64));
+          acc3 = _mm512_dpbusd_epi32(acc3, av, _mm512_maskz_loadu_epi8(tail, w[3] + full * 64));
+        }
+        const int32_t sums[4] = {_mm512_reduce_add_epi32(acc0), _mm512_reduce_add_epi32(acc1),
+                                 _mm512_reduce_add_epi32(acc2), _mm512_reduce_add_epi32(acc3)};
+        for (int64_t r = 0; r < nr; r++) finish(m, n0 + r, sums[r]);
+      }
+    }
+  });
+  return out;
+}
+#endif
+
+}  // namespace
+
+TORCH_LIBRARY(tandem, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def(
+      "rotary_embedding_and_cache(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, "
+      "int num_heads, int num_kv_heads, Tensor(b!) cache, Tensor(c!)? cache_scale, "
+      "Tensor slots) -> ()");
+  m.def(
+      "paged_attention_decode(Tensor q, Tensor cache, Tensor? cache_scale, Tensor block_tables, "
+      "Tensor context_lens, int block_size, float scale) -> Tensor");
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  m.def("int8_linear(Tensor x, Tensor wq, Tensor w_sum, Tensor mult) -> Tensor");
+#endif
+}
+
+TORCH_LIBRARY_IMPL(tandem, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding_and_cache", &rotary_embedding_and_cache);
+  m.impl("paged_attention_decode", &paged_attention_decode);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  m.impl("int8_linear", &int8_linear);
+#endif
+}

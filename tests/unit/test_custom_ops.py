@@ -1,0 +1,118 @@
+"""tandem's fused CPU kernels against the torch reference paths they replace."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem import _custom_ops
+from tandem.model.attention import AttentionMetadata, build_group, paged_attention
+from tandem.model.kv_cache import DenseKVCache, Int8KVCache
+from tandem.model.linear import INT8_GEMV_MAX_ROWS, Int8Linear
+
+CPU = torch.device("cpu")
+ops = torch.ops.tandem
+
+
+def test_kernels_are_built_here():
+    # CI machines have g++: the fast path must be what the other tests exercise.
+    assert _custom_ops.AVAILABLE, "tandem's CPU kernels failed to build (see the warning)"
+
+
+def test_rms_norm_and_silu_and_mul():
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 576) * 3, torch.randn(576)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5),
+                               atol=1e-6, rtol=1e-5)
+    # Rows with a stride (a slice of a wider tensor) are read correctly.
+    wide = torch.randn(4, 700)
+    torch.testing.assert_close(ops.rms_norm(wide[:, :576], w, 1e-6),
+                               F.rms_norm(wide[:, :576], (576,), w, 1e-6), atol=1e-6, rtol=1e-5)
+    gu = torch.randn(7, 2 * 100) * 6  # SiLU over a wide range, incl. exp overflow territory
+    gu[0, 0], gu[0, 1] = 95.0, -95.0
+    ref = F.silu(gu[:, :100]) * gu[:, 100:]
+    torch.testing.assert_close(ops.silu_and_mul(gu), ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.rms_norm(x.double(), w, 1e-5)
+
+
+@pytest.mark.parametrize("cache_cls", [DenseKVCache, Int8KVCache])
+def test_rotary_embedding_and_cache_matches_reference(cache_cls):
+    torch.manual_seed(1)
+    h, hkv, d, t = 6, 2, 16, 9
+    pos = torch.tensor([0, 3, 17, 4, 5, 6, 90, 2, 1])
+    slots = torch.tensor([5, 9, 0, 33, 34, 35, 12, 7, 63])
+    freqs = torch.outer(torch.arange(128.0), 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+    cos = torch.cat((freqs.cos(), freqs.cos()), -1)
+    sin = torch.cat((-freqs.sin(), freqs.sin()), -1)
+    qkv = torch.randn(t, h + 2 * hkv, d)
+    # Reference: HF's q * cos + rotate_half(q) * sin, then the cache's own write.
+    x1, x2 = qkv[:, : h + hkv, : d // 2], qkv[:, : h + hkv, d // 2 :]
+    c, s = cos[pos, None, : d // 2], -sin[pos, None, : d // 2]
+    rot = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+    ref_cache = cache_cls(64, hkv, d, torch.float32, CPU)
+    ref_cache.write(slots, torch.cat((rot[:, h:], qkv[:, h + hkv :]), 1).view(t, 2, hkv, d))
+    cache = cache_cls(64, hkv, d, torch.float32, CPU)
+    out = qkv.clone()
+    ops.rotary_embedding_and_cache(out, pos, cos, sin, h, hkv, *cache.kernel_args, slots)
+    torch.testing.assert_close(out[:, : h + hkv], rot, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out[:, h + hkv :], qkv[:, h + hkv :])
+    for got, want in zip(cache.kernel_args, ref_cache.kernel_args):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("cache_cls", [DenseKVCache, Int8KVCache])
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (8, 8, 128), (14, 2, 64), (4, 1, 32),
+                                     (18, 2, 64)])
+def test_paged_attention_decode_matches_gather_and_sdpa(cache_cls, h, hkv, d):
+    """Register-blocked shapes (head size 64/128, groups up to 8) and generic ones
+    (head size 32, a group of 9), across block boundaries and ragged lengths."""
+    torch.manual_seed(2)
+    bs = 16
+    ctx = [1, 16, 17, 45, 200, 3, 64, 33]
+    tables = [list(range(i * 13, i * 13 + -(-c // bs)))[::-1] for i, c in enumerate(ctx)]
+    cache = cache_cls(13 * len(ctx) * bs, hkv, d, torch.float32, CPU)
+    slots = torch.arange(13 * len(ctx) * bs)
+    cache.write(slots, torch.randn(len(slots), 2, hkv, d) * 2)
+    q = torch.randn(len(ctx), h + 2 * hkv, d)[:, :h]  # strided, like the model's view
+    out = {}
+    for fused in (False, True):
+        g = build_group([1] * len(ctx), ctx, tables, bs, CPU, fused=fused)
+        out[fused] = paged_attention(q, cache, AttentionMetadata(None, g, None), d**-0.5)
+    torch.testing.assert_close(out[True], out[False], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not _custom_ops.INT8_LINEAR, reason="needs AVX-512 VNNI")
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (100, 37)])
+def test_int8_gemv_is_bit_identical_to_fbgemm(k, n):
+    """Small batches take the VNNI kernel, large ones fbgemm: a row's output must
+    not depend on which (so seeded sampling stays batch-invariant)."""
+    torch.manual_seed(3)
+    lin = Int8Linear(torch.randn(n, k) * 0.05)
+    x = torch.randn(INT8_GEMV_MAX_ROWS + 8, k) * 3
+    x[1] *= 1e-3  # a row of small magnitude keeps its own scale
+    x[2] = 0.0
+    big = lin(x)  # fbgemm
+    for rows in (slice(0, 1), slice(0, 3), slice(3, 3 + INT8_GEMV_MAX_ROWS)):
+        assert torch.equal(lin(x[rows]), big[rows])
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=300)
+
+
+def test_without_a_compiler_the_reference_paths_run(tmp_path):
+    code = ("from tandem import _custom_ops, LLM, SamplingParams\n"
+            "assert not _custom_ops.AVAILABLE\n"
+            "print('ok')\n")
+    res = _run(code, CXX="/bin/false", TANDEM_CACHE=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    assert "unavailable" in res.stderr and "reference paths" in res.stderr
+    res = _run(code, TANDEM_CUSTOM_OPS="0")
+    assert res.returncode == 0 and res.stderr == "", res.stderr
