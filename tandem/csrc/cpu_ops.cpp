@@ -168,7 +168,18 @@ void rotary_embedding_and_cache(const at::Tensor& qkv, const at::Tensor& positio
 // block is at rows + r * row_stride; scales (int8 cache) at sc + r * sc_stride.
 struct BlockArgs {
   int64_t n, row_stride, sc_stride, group, D, bs;  // bs: row stride of scores
+  int64_t next_offset;  // next block's rows minus this block's (elements); 0: none
 };
+
+// The next block of a sequence lives elsewhere in memory, and the hardware
+// prefetcher stops at page boundaries: while row r of this block computes,
+// fetch row r of the next one (spread out, so the fill buffers never choke).
+template <typename KV>
+inline void prefetch_row(const KV* row, const BlockArgs& a) {
+  if (!a.next_offset) return;
+  const char* p = reinterpret_cast<const char*>(row + a.next_offset);
+  for (int64_t b = 0; b < a.D * static_cast<int64_t>(sizeof(KV)); b += 64) __builtin_prefetch(p + b);
+}
 
 template <typename KV>
 void qk_generic(const float* q, int64_t qs, const KV* rows, const float* sc, const BlockArgs& a,
@@ -214,6 +225,7 @@ void qk_avx512(const float* q, int64_t qs, const KV* rows, const float* sc, cons
     for (int c = 0; c < NC; c++) qv[g][c] = _mm512_loadu_ps(q + g * qs + c * 16);
   for (int64_t o = 0; o < a.n; o++) {
     const KV* k = rows + o * a.row_stride;
+    prefetch_row(k, a);
     __m512 acc[G];
     for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
     for (int c = 0; c < NC; c++) {
@@ -233,6 +245,7 @@ void pv_avx512(const float* probs, const KV* rows, const float* sc, const BlockA
     for (int c = 0; c < NC; c++) av[g][c] = _mm512_loadu_ps(acc + g * NC * 16 + c * 16);
   for (int64_t o = 0; o < a.n; o++) {
     const KV* v = rows + o * a.row_stride;
+    prefetch_row(v, a);
     const float vs = sc ? sc[o * a.sc_stride] : 1.f;
     __m512 p[G];
     for (int g = 0; g < G; g++) p[g] = _mm512_set1_ps(probs[g * a.bs + o] * vs);
@@ -301,10 +314,13 @@ void attend_seq(const BlockKernels<KV>& kern, const float* q, int64_t q_head_str
   float* acc = l + nh;  // [nh, D] running numerator
   std::fill(m, m + nh, -INFINITY);
   std::fill(l, l + nh + nh * D, 0.f);
-  BlockArgs a{0, slot_stride, 2 * hkv, group, D, block_size};
+  BlockArgs a{0, slot_stride, 2 * hkv, group, D, block_size, 0};
   for (int64_t start = 0, blk = 0; start < ctx; start += block_size, blk++) {
     a.n = std::min(block_size, ctx - start);
     const int64_t base = static_cast<int64_t>(table[blk]) * block_size;
+    a.next_offset = start + block_size < ctx
+                        ? (static_cast<int64_t>(table[blk + 1]) * block_size - base) * slot_stride
+                        : 0;
     for (int64_t kvh = kv0; kvh < kv1; kvh++) {
       const int64_t h0 = (kvh - kv0) * group;
       kern.qk(q + h0 * q_head_stride, q_head_stride, cache + base * slot_stride + kvh * D,
