@@ -70,15 +70,15 @@ def build_group(
     for i, blocks in enumerate(block_tables):
         n = min(len(blocks), nblk)
         table[i, :n] = torch.tensor(blocks[:n], dtype=torch.long)
-    offs = torch.arange(block_size, dtype=torch.long)
-    key_slots = (table.unsqueeze(-1) * block_size + offs).view(b, -1)[:, :max_ctx].reshape(-1)
-    ctx = torch.tensor(ctx_lens, dtype=torch.long)
     if fused and max_q == 1:
         return AttnGroup(
             num_tokens=b, key_slots=None, mask=None, q_index=None, out_index=None, batch=b,
             q_len=1, block_size=block_size, block_table=table.to(device, torch.int32),
-            context_lens=ctx.to(device, torch.int32),
+            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
         )
+    offs = torch.arange(block_size, dtype=torch.long)
+    key_slots = (table.unsqueeze(-1) * block_size + offs).view(b, -1)[:, :max_ctx].reshape(-1)
+    ctx = torch.tensor(ctx_lens, dtype=torch.long)
     key_pos = torch.arange(max_ctx, dtype=torch.long)
     mask = None
     q_index = out_index = None
