@@ -296,26 +296,28 @@ BlockKernels<KV> pick_kernels(int64_t group, int64_t D) {
   return k;
 }
 
-// One decode query per sequence against its paged context: the query heads of
-// KV heads [kv0, kv1) of one sequence. A single pass over the context, block
-// by block, with an online softmax: each cache row (all of a slot's K and V
-// heads, contiguous) is read from memory once, and the heads sharing a KV head
-// reuse it from L1. out points at head kv0 * group.
+// One decode query per sequence against part of its paged context: the query
+// heads of KV heads [kv0, kv1) over tokens [start, end) (whole blocks but the
+// last). A single pass, block by block, with an online softmax: each cache row
+// (a slot's K and V heads, contiguous) is read from memory once, and the heads
+// sharing a KV head reuse it from L1. Leaves the running max m, sum l and
+// un-normalized numerator acc [nh, D] of each head for merge_partials.
 template <typename KV>
-void attend_seq(const BlockKernels<KV>& kern, const float* q, int64_t q_head_stride,
-                const KV* cache, const float* kv_scale, const int32_t* table, int64_t ctx,
-                int64_t block_size, int64_t hkv, int64_t kv0, int64_t kv1, int64_t group,
-                int64_t D, float scale, float* out, std::vector<float>& buf) {
+void attend_range(const BlockKernels<KV>& kern, const float* q, int64_t q_head_stride,
+                  const KV* cache, const float* kv_scale, const int32_t* table, int64_t start0,
+                  int64_t end, int64_t block_size, int64_t hkv, int64_t kv0, int64_t kv1,
+                  int64_t group, int64_t D, float scale, float* m, float* l, float* acc,
+                  std::vector<float>& buf) {
   const int64_t nh = (kv1 - kv0) * group, slot_stride = 2 * hkv * D;
-  buf.resize(nh * (block_size + 2 + D));
+  buf.resize(nh * block_size);
   float* sc = buf.data();  // [nh, block_size] scores, then probabilities
-  float* m = sc + nh * block_size;  // running max
-  float* l = m + nh;  // running sum of exp
-  float* acc = l + nh;  // [nh, D] running numerator
   std::fill(m, m + nh, -INFINITY);
-  std::fill(l, l + nh + nh * D, 0.f);
+  std::fill(l, l + nh, 0.f);
+  std::fill(acc, acc + nh * D, 0.f);
+  const int64_t ctx = end;
   BlockArgs a{0, slot_stride, 2 * hkv, group, D, block_size, 0};
-  for (int64_t start = 0, blk = 0; start < ctx; start += block_size, blk++) {
+  for (int64_t start = start0, blk = start0 / block_size; start < ctx;
+       start += block_size, blk++) {
     a.n = std::min(block_size, ctx - start);
     const int64_t base = static_cast<int64_t>(table[blk]) * block_size;
     a.next_offset = start + block_size < ctx
@@ -352,11 +354,27 @@ void attend_seq(const BlockKernels<KV>& kern, const float* q, int64_t q_head_str
               kv_scale ? kv_scale + base * 2 * hkv + hkv + kvh : nullptr, a, acc + h0 * D);
     }
   }
-  for (int64_t h = 0; h < nh; h++) {
-    const float inv = 1.f / l[h];
+}
+
+// Combines the softmax partials of one head over `splits` context ranges (the
+// range s partials are s * stride floats after the first) into its output.
+void merge_partials(const float* m, const float* l, const float* acc, int64_t splits,
+                    int64_t stride, int64_t D, float* out) {
+  float mx = -INFINITY;
+  for (int64_t s = 0; s < splits; s++) mx = std::max(mx, m[s * stride]);
+  float total = 0.f;
+  std::fill(out, out + D, 0.f);
+  for (int64_t s = 0; s < splits; s++) {
+    if (l[s * stride] == 0.f) continue;  // an empty range (past this sequence's end)
+    const float w = exp_approx(m[s * stride] - mx);
+    total += w * l[s * stride];
+    const float* a = acc + s * stride;
 #pragma omp simd
-    for (int64_t i = 0; i < D; i++) out[h * D + i] = acc[h * D + i] * inv;
+    for (int64_t i = 0; i < D; i++) out[i] += w * a[i];
   }
+  const float inv = 1.f / total;
+#pragma omp simd
+  for (int64_t i = 0; i < D; i++) out[i] *= inv;
 }
 
 at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& cache,
@@ -384,31 +402,64 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& cache,
   const float* sp = int8 ? cache_scale->data_ptr<float>() : nullptr;
   const void* cp = cache.data_ptr();
   // Work items: whole sequences when there are enough of them to share out
-  // (each cache row then streams from memory once), else (sequence, KV head).
-  const int64_t heads_per_item = B >= 2 * at::get_num_threads() ? hkv : 1;
-  const int64_t items_per_seq = hkv / heads_per_item;
-  int64_t total_ctx = 0;
-  for (int64_t b = 0; b < B; b++) total_ctx += lp[b];
+  // (each cache row then streams from memory once); else (sequence, KV head),
+  // and a long context split into ranges of whole blocks, so that one or two
+  // sequences still keep every thread streaming (flash-decoding).
+  const int64_t threads = at::get_num_threads();
+  const int64_t heads_per_item = B >= 2 * threads ? hkv : 1;
+  const int64_t kv_items = hkv / heads_per_item;
+  int64_t total_ctx = 0, max_ctx = 1;
+  for (int64_t b = 0; b < B; b++) {
+    total_ctx += lp[b];
+    max_ctx = std::max<int64_t>(max_ctx, lp[b]);
+  }
+  constexpr int64_t kMinSplitTokens = 256;
+  int64_t splits = 1;
+  if (heads_per_item == 1) {  // about 4 items per thread, a multiple of the threads
+    const int64_t most = std::max<int64_t>(1, max_ctx / kMinSplitTokens);
+    splits = std::min(most, (4 * threads + B * kv_items - 1) / (B * kv_items));
+    while (splits < most && (B * kv_items * splits) % threads) splits++;
+  }
+  // Tokens per split: whole blocks, so a split never starts mid-block.
+  const int64_t span = (max_ctx + splits - 1) / splits;
+  const int64_t split_tokens = (span + block_size - 1) / block_size * block_size;
+  const int64_t nh = heads_per_item * group, items = B * kv_items * splits;
+  std::vector<float> part(items * nh * (D + 2));  // per item: m [nh], l [nh], acc [nh, D]
   // Stay on this thread unless the work pays for waking the others.
-  const int64_t work = total_ctx * hkv * D * 2;
-  const int64_t grain = work < 32768 ? B * items_per_seq : 1;
+  const int64_t grain = total_ctx * hkv * D * 2 < 32768 ? items : 1;
   const float fscale = static_cast<float>(scale);
   const auto kf = pick_kernels<float>(group, D);
   const auto k8 = pick_kernels<int8_t>(group, D);
-  at::parallel_for(0, B * items_per_seq, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t w = begin; w < end; w++) {
-      const int64_t b = w / items_per_seq, kv0 = (w % items_per_seq) * heads_per_item;
+      const int64_t split = w % splits, seq_item = w / splits;
+      const int64_t b = seq_item / kv_items, kv0 = (seq_item % kv_items) * heads_per_item;
+      const int64_t lo = std::min<int64_t>(split * split_tokens, lp[b]);
+      const int64_t hi = std::min<int64_t>(lo + split_tokens, lp[b]);
+      float* m = part.data() + w * nh * (D + 2);
+      float* l = m + nh;
+      float* acc = l + nh;
       const float* qb = qp + b * qs0 + kv0 * group * qs1;
-      float* ob = op + b * H * D + kv0 * group * D;
       if (int8)
-        attend_seq<int8_t>(k8, qb, qs1, static_cast<const int8_t*>(cp), sp, tp + b * nb, lp[b],
-                           block_size, hkv, kv0, kv0 + heads_per_item, group, D, fscale, ob, buf);
+        attend_range<int8_t>(k8, qb, qs1, static_cast<const int8_t*>(cp), sp, tp + b * nb, lo, hi,
+                             block_size, hkv, kv0, kv0 + heads_per_item, group, D, fscale, m, l,
+                             acc, buf);
       else
-        attend_seq<float>(kf, qb, qs1, static_cast<const float*>(cp), nullptr, tp + b * nb, lp[b],
-                          block_size, hkv, kv0, kv0 + heads_per_item, group, D, fscale, ob, buf);
+        attend_range<float>(kf, qb, qs1, static_cast<const float*>(cp), nullptr, tp + b * nb, lo,
+                            hi, block_size, hkv, kv0, kv0 + heads_per_item, group, D, fscale, m,
+                            l, acc, buf);
     }
   });
+  // Merge each head's splits (a plain normalization when there is one).
+  const int64_t stride = nh * (D + 2);
+  for (int64_t seq_item = 0; seq_item < B * kv_items; seq_item++) {
+    const int64_t b = seq_item / kv_items, kv0 = (seq_item % kv_items) * heads_per_item;
+    const float* first = part.data() + seq_item * splits * stride;
+    for (int64_t h = 0; h < nh; h++)
+      merge_partials(first + h, first + nh + h, first + 2 * nh + h * D, splits, stride, D,
+                     op + b * H * D + (kv0 * group + h) * D);
+  }
   return out;
 }
 

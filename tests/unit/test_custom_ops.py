@@ -69,15 +69,18 @@ def test_rotary_embedding_and_cache_matches_reference(cache_cls):
 @pytest.mark.parametrize("cache_cls", [DenseKVCache, Int8KVCache])
 @pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (8, 8, 128), (14, 2, 64), (4, 1, 32),
                                      (18, 2, 64)])
-def test_paged_attention_decode_matches_gather_and_sdpa(cache_cls, h, hkv, d):
+@pytest.mark.parametrize("ctx", [[1, 16, 17, 45, 200, 3, 64, 33], [1000], [37, 700]],
+                         ids=["8-seqs", "1-long", "2-ragged"])
+def test_paged_attention_decode_matches_gather_and_sdpa(cache_cls, h, hkv, d, ctx):
     """Register-blocked shapes (head size 64/128, groups up to 8) and generic ones
-    (head size 32, a group of 9), across block boundaries and ragged lengths."""
+    (head size 32, a group of 9), across block boundaries and ragged lengths; one
+    or two long contexts are split across threads and merged."""
     torch.manual_seed(2)
     bs = 16
-    ctx = [1, 16, 17, 45, 200, 3, 64, 33]
-    tables = [list(range(i * 13, i * 13 + -(-c // bs)))[::-1] for i, c in enumerate(ctx)]
-    cache = cache_cls(13 * len(ctx) * bs, hkv, d, torch.float32, CPU)
-    slots = torch.arange(13 * len(ctx) * bs)
+    nb = -(-max(ctx) // bs)
+    tables = [list(range(i * nb, i * nb + -(-c // bs)))[::-1] for i, c in enumerate(ctx)]
+    cache = cache_cls(nb * len(ctx) * bs, hkv, d, torch.float32, CPU)
+    slots = torch.arange(nb * len(ctx) * bs)
     cache.write(slots, torch.randn(len(slots), 2, hkv, d) * 2)
     q = torch.randn(len(ctx), h + 2 * hkv, d)[:, :h]  # strided, like the model's view
     out = {}
