@@ -463,6 +463,107 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& cache,
   return out;
 }
 
+// int4 weights for any number of rows (torch's CPU int4 matmul decodes at ~8
+// tok/s here). Group g (32 weights) of row n is 16 bytes at packed[n, 16 g]:
+// byte i holds weight 32 g + i in its low nibble and 32 g + 16 + i in its high
+// one, and the weight is q * scale[n, g] + lo[n, g] (Int4Linear's reference).
+// Few rows (decode): the nibbles are unpacked in registers and each group's dot
+// product is scaled once, y = sum_g scale_g (q_g . x_g) + sum_g lo_g sum(x_g),
+// so the weights stream at memory speed. More rows (prefill): the weight is
+// dequantized to fp32 and multiplied by torch's GEMM.
+constexpr int64_t kInt4GemvMaxRows = 4;
+
+void int4_dequantize_rows(const uint8_t* packed, const float* scale, const float* lo, int64_t n0,
+                          int64_t n1, int64_t K, float* w) {
+  const int64_t G = K / 32;
+  for (int64_t n = n0; n < n1; n++)
+    for (int64_t g = 0; g < G; g++) {
+      const uint8_t* by = packed + n * (K / 2) + g * 16;
+      const float s = scale[n * G + g], l = lo[n * G + g];
+      float* wg = w + n * K + g * 32;
+#pragma omp simd
+      for (int i = 0; i < 16; i++) wg[i] = static_cast<float>(by[i] & 15) * s + l;
+#pragma omp simd
+      for (int i = 0; i < 16; i++) wg[i + 16] = static_cast<float>(by[i] >> 4) * s + l;
+    }
+}
+
+// y[n] for one row x, output rows [n0, n1); xsum [G] = per-group sums of x.
+void int4_gemv_rows(const uint8_t* packed, const float* scale, const float* lo, int64_t n0,
+                    int64_t n1, int64_t K, const float* x, const float* xsum, float* y) {
+  const int64_t G = K / 32;
+  for (int64_t n = n0; n < n1; n++) {
+    const uint8_t* row = packed + n * (K / 2);
+    const float* sr = scale + n * G;
+    float zero_term = 0.f;
+#pragma omp simd reduction(+ : zero_term)
+    for (int64_t g = 0; g < G; g++) zero_term += lo[n * G + g] * xsum[g];
+#ifdef __AVX512F__
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+      const __m512i v =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16)));
+      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+      const __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+      const __m512 t = _mm512_fmadd_ps(q1, _mm512_loadu_ps(x + g * 32 + 16),
+                                       _mm512_mul_ps(q0, _mm512_loadu_ps(x + g * 32)));
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(sr[g]), t, acc);
+    }
+    y[n] = _mm512_reduce_add_ps(acc) + zero_term;
+#else
+    float acc = 0.f;
+    for (int64_t g = 0; g < G; g++) {
+      const uint8_t* by = row + g * 16;
+      float t = 0.f;
+#pragma omp simd reduction(+ : t)
+      for (int i = 0; i < 16; i++)
+        t += static_cast<float>(by[i] & 15) * x[g * 32 + i] +
+             static_cast<float>(by[i] >> 4) * x[g * 32 + 16 + i];
+      acc += sr[g] * t;
+    }
+    y[n] = acc + zero_term;
+#endif
+  }
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                       const at::Tensor& lo) {
+  check_float_rows(x, "x");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), G = K / 32;
+  TORCH_CHECK(x.dim() == 2 && K % 32 == 0 && packed.scalar_type() == at::kByte &&
+                  packed.is_contiguous() && packed.size(1) == K / 2,
+              "int4_linear: packed must be a contiguous uint8 [N, K / 2] with K % 32 == 0");
+  TORCH_CHECK(scale.is_contiguous() && lo.is_contiguous() && scale.numel() == N * G &&
+                  lo.numel() == N * G && scale.scalar_type() == at::kFloat &&
+                  lo.scalar_type() == at::kFloat,
+              "int4_linear: scale and lo must be contiguous float32 [N, K / 32]");
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* lp = lo.data_ptr<float>();
+  if (M > kInt4GemvMaxRows) {
+    auto w = at::empty({N, K}, x.options());
+    float* wp = w.data_ptr<float>();
+    at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
+      int4_dequantize_rows(pp, sp, lp, b, e, K, wp);
+    });
+    return at::mm(x, w.t());
+  }
+  auto out = at::empty({M, N}, x.options());
+  std::vector<float> xsum(M * G);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t g = 0; g < G; g++) {
+      float t = 0.f;
+      for (int64_t i = 0; i < 32; i++) t += x.data_ptr<float>()[m * x.stride(0) + g * 32 + i];
+      xsum[m * G + g] = t;
+    }
+  at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
+    for (int64_t m = 0; m < M; m++)
+      int4_gemv_rows(pp, sp, lp, b, e, K, x.data_ptr<float>() + m * x.stride(0),
+                     xsum.data() + m * G, out.data_ptr<float>() + m * N);
+  });
+  return out;
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // W8A8 linear for few rows, bit-identical to the fbgemm path of
 // tandem.model.linear.Int8Linear (so a request's logits do not depend on which
@@ -554,6 +655,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def(
       "paged_attention_decode(Tensor q, Tensor cache, Tensor? cache_scale, Tensor block_tables, "
       "Tensor context_lens, int block_size, float scale) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor lo) -> Tensor");
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.def("int8_linear(Tensor x, Tensor wq, Tensor w_sum, Tensor mult) -> Tensor");
 #endif
@@ -564,6 +666,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_embedding_and_cache", &rotary_embedding_and_cache);
   m.impl("paged_attention_decode", &paged_attention_decode);
+  m.impl("int4_linear", &int4_linear);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.impl("int8_linear", &int8_linear);
 #endif

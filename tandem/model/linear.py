@@ -17,8 +17,11 @@ Quantization trades a little quality for fewer bytes read per decode step
   copy of the int8 weights beside fbgemm's packed one. On CUDA the weight is
   dequantized inside the matmul (y = (x @ q) * scale), saving memory, not time.
 * int4: asymmetric, groups of ``group_size`` input weights with a scale and a
-  zero point each. On CPU it runs torch's int4-pack matmul
-  (``_weight_int4pack_mm_for_cpu``); elsewhere it dequantizes per call.
+  zero point each. On CPU, tandem's kernel (groups of 32) unpacks the nibbles
+  in registers for up to 4 rows (decode: 0.9-2x the speed of fp32 at an eighth
+  of the bytes) and dequantizes for torch's GEMM beyond; torch's int4-pack
+  matmul (``_weight_int4pack_mm_for_cpu``, ~10x slower at batch 1) is the
+  fallback. Elsewhere it dequantizes per call.
 """
 
 from __future__ import annotations
@@ -148,17 +151,25 @@ class Int4Linear(_QuantLinear):
         self.group_size = group_size
         self.bias = bias
         self.cpu = w.device.type == "cpu"
-        # int4pack's convention: w = (q - 8) * scale + zero, so zero = lo + 8 * scale.
-        sz = torch.stack((scale.view(n, -1), (lo + 8 * scale).view(n, -1)), -1)
-        self.scales_zeros = sz.transpose(0, 1).contiguous()  # [k / group, n, 2]
-        if self.cpu:
+        self.kernel = self.cpu and _custom_ops.AVAILABLE and group_size == 32
+        if self.kernel:  # tandem's kernel: byte i of a group = weight i | weight 16 + i << 4
+            g = q.view(n, k // 32, 2, 16).to(torch.uint8)
+            self.packed = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+            self.scale, self.lo = scale.view(n, -1).contiguous(), lo.view(n, -1).contiguous()
+        elif self.cpu:
+            # int4pack's convention: w = (q - 8) * scale + zero, so zero = lo + 8 * scale.
+            sz = torch.stack((scale.view(n, -1), (lo + 8 * scale).view(n, -1)), -1)
+            self.scales_zeros = sz.transpose(0, 1).contiguous()  # [k / group, n, 2]
             self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
         else:
             self.q = q.to(torch.uint8)
             self.scale, self.lo = scale, lo
-        self._nbytes = n * k // 2 + self.scales_zeros.numel() * 4
+        self._nbytes = n * k // 2 + 2 * n * (k // group_size) * 4
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel:
+            return torch.ops.tandem.int4_linear(x.float(), self.packed, self.scale, self.lo).to(
+                x.dtype)
         if self.cpu:
             return torch._weight_int4pack_mm_for_cpu(
                 x.float(), self.packed, self.group_size, self.scales_zeros

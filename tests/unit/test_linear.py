@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem import _custom_ops
 from tandem.model.linear import DenseLinear, Int4Linear, Int8Linear, make_linear
 
 torch.manual_seed(0)
@@ -40,15 +41,20 @@ def test_int8_matches_dequantized_reference():
     assert (deq - w).abs().max() <= lin.scale.max() / 2 + 1e-7  # rounding, not worse
 
 
-def test_int4_matches_dequantized_reference_exactly():
+@pytest.mark.parametrize("kernel", [True, False], ids=["tandem-kernel", "torch-int4pack"])
+def test_int4_matches_dequantized_reference_exactly(kernel, monkeypatch):
+    if not kernel:
+        monkeypatch.setattr(_custom_ops, "AVAILABLE", False)
     w, b = weights()
     lin = Int4Linear(w, b, group_size=32)
+    assert lin.kernel == kernel
     wg = w.view(96, 4, 32)
     lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
     scale = (hi - lo) / 15
     deq = (torch.round((wg - lo) / scale).clamp(0, 15) * scale + lo).view(96, 128)
-    x = torch.randn(3, 128)
-    torch.testing.assert_close(lin(x), x @ deq.t() + b, atol=1e-4, rtol=1e-4)
+    for rows in (1, 3, 4, 5, 17):  # the kernel's register path up to 4 rows, GEMM beyond
+        x = torch.randn(rows, 128)
+        torch.testing.assert_close(lin(x), x @ deq.t() + b, atol=1e-4, rtol=1e-4)
     assert (deq - w).abs().max() <= scale.max() / 2 + 1e-6
     assert lin.nbytes == w.numel() // 2 + 96 * 4 * 2 * 4  # nibbles + fp32 scale, zero / 32
 
