@@ -601,13 +601,15 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
   for (int64_t m = 0; m < M; m++) {
     const float* r = x.data_ptr<float>() + m * x.stride(0);
     float amax = 0.f;
-    for (int64_t k = 0; k < K; k++) amax = std::max(amax, std::fabs(r[k]));
-    const float sx = std::max(amax, 1e-12f);
+#pragma omp simd reduction(max : amax)
+    for (int64_t k = 0; k < K; k++) amax = std::fabs(r[k]) > amax ? std::fabs(r[k]) : amax;
+    const float sx = amax > 1e-12f ? amax : 1e-12f;
     sxs[m] = sx;
     uint8_t* q = qa.data() + m * kp;
+#pragma omp simd
     for (int64_t k = 0; k < K; k++) {
       const float v = std::nearbyint((r[k] / sx) * a_inv) + 128.0f;
-      q[k] = static_cast<uint8_t>(std::min(std::max(v, 0.0f), 255.0f));
+      q[k] = static_cast<uint8_t>(v < 0.f ? 0.f : (v > 255.f ? 255.f : v));
     }
   }
   const int8_t* wp = wq.data_ptr<int8_t>();
