@@ -573,79 +573,95 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// W8A8 linear for few rows, bit-identical to the fbgemm path of
-// tandem.model.linear.Int8Linear (so a request's logits do not depend on which
-// path its batch took): each row x is scaled to absmax 1 (sx), quantized with
-// fbgemm's parameters for the range [-1, 1] (scale 2/255, zero point 128),
-// multiplied in exact int32 by the per-channel int8 weights, and rescaled as
-// fbgemm does: float(acc) * (a_scale * w_scale[n]), then * sx.
-// fbgemm's GEMV reads int8 weights at ~11 GB/s at batch 1; this streams four
-// weight rows at a time through VNNI dot products at the memory's pace.
-// x [M, K] f32; wq [N, K] int8; w_sum [N] int32 (row sums of wq);
-// mult [N] f32 (= a_scale * w_scale) -> [M, N] f32.
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& w_sum,
-                       const at::Tensor& mult) {
+// W8A8 linear for any number of rows, with the arithmetic of fbgemm's path in
+// tandem.model.linear.Int8Linear: each row x is scaled to absmax 1 (sx),
+// quantized with the parameters fbgemm picks for the range [-1, 1] (scale
+// 2/255, zero point 128), multiplied in exact int32 by the per-channel int8
+// weights, and rescaled as fbgemm does: float(acc) * (a_scale * w_scale[n]),
+// then * sx. Outputs are bit-identical to fbgemm's wherever fbgemm's int16
+// pair sums do not saturate (tested), and exact where they do.
+//
+// The weights are packed so no horizontal sums are needed (fbgemm's trick):
+// tile j holds output columns 16 j .. 16 j + 15, and each 64-byte row of a
+// tile holds 4 consecutive inputs of its 16 columns, so one VNNI instruction
+// adds 4 products to each of 16 outputs. Batch 1 streams the weights at
+// memory speed (fbgemm's GEMV: ~11 GB/s); batches keep a tile pair in L1
+// while 8 rows of x at a time pass it.
+// x [M, K] f32; packed [ceil(N/16), ceil(K/4), 16, 4] int8 (int8_pack);
+// w_sum, mult [16 ceil(N/16)]: row sums of the weights and a_scale * w_scale.
+constexpr int64_t kInt8RowBlock = 8;
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_sum,
+                       const at::Tensor& mult, int64_t N) {
   check_float_rows(x, "x");
-  TORCH_CHECK(x.dim() == 2 && wq.dim() == 2 && wq.size(1) == x.size(1) && wq.is_contiguous() &&
-                  wq.scalar_type() == at::kChar,
-              "int8_linear: wq must be a contiguous int8 [N, K] matching x [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), kq = packed.size(1);
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kChar && packed.size(2) == 16 &&
+                  packed.size(3) == 4 && kq == (K + 3) / 4 && tiles == (N + 15) / 16,
+              "int8_linear: packed must be int8_pack's layout for x's width and N outputs");
   TORCH_CHECK(w_sum.scalar_type() == at::kInt && mult.scalar_type() == at::kFloat &&
-                  w_sum.numel() == wq.size(0) && mult.numel() == wq.size(0),
-              "int8_linear: w_sum (int32) and mult (float32) need one entry per output");
-  const int64_t M = x.size(0), K = x.size(1), N = wq.size(0), kp = (K + 63) / 64 * 64;
+                  w_sum.numel() == tiles * 16 && mult.numel() == tiles * 16,
+              "int8_linear: w_sum (int32) and mult (float32) need one entry per padded output");
   auto out = at::empty({M, N}, x.options());
-  // Quantized rows, zero-padded to whole 64-byte chunks (padding adds 0 * w).
+  // Quantized rows, zero-padded to whole 4-byte groups (padding adds 0 * w).
+  const int64_t kp = kq * 4;
   std::vector<uint8_t> qa(M * kp, 0);
   std::vector<float> sxs(M);
   const float a_inv = 1.0f / (2.0f / 255.0f);
-  for (int64_t m = 0; m < M; m++) {
-    const float* r = x.data_ptr<float>() + m * x.stride(0);
-    float amax = 0.f;
+  at::parallel_for(0, M, 64, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; m++) {
+      const float* r = x.data_ptr<float>() + m * x.stride(0);
+      float amax = 0.f;
 #pragma omp simd reduction(max : amax)
-    for (int64_t k = 0; k < K; k++) amax = std::fabs(r[k]) > amax ? std::fabs(r[k]) : amax;
-    const float sx = amax > 1e-12f ? amax : 1e-12f;
-    sxs[m] = sx;
-    uint8_t* q = qa.data() + m * kp;
+      for (int64_t k = 0; k < K; k++) amax = std::fabs(r[k]) > amax ? std::fabs(r[k]) : amax;
+      const float sx = amax > 1e-12f ? amax : 1e-12f;
+      sxs[m] = sx;
+      uint8_t* q = qa.data() + m * kp;
 #pragma omp simd
-    for (int64_t k = 0; k < K; k++) {
-      const float v = std::nearbyint((r[k] / sx) * a_inv) + 128.0f;
-      q[k] = static_cast<uint8_t>(v < 0.f ? 0.f : (v > 255.f ? 255.f : v));
+      for (int64_t k = 0; k < K; k++) {
+        const float v = std::nearbyint((r[k] / sx) * a_inv) + 128.0f;
+        q[k] = static_cast<uint8_t>(v < 0.f ? 0.f : (v > 255.f ? 255.f : v));
+      }
     }
-  }
-  const int8_t* wp = wq.data_ptr<int8_t>();
+  });
+  const int8_t* wp = packed.data_ptr<int8_t>();
   const int32_t* ws = w_sum.data_ptr<int32_t>();
   const float* mp = mult.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t full = K / 64;
-  const __mmask64 tail = K % 64 ? (~0ULL >> (64 - K % 64)) : 0;
-  auto finish = [&](int64_t m, int64_t n, int32_t acc) {
-    op[m * N + n] = static_cast<float>(acc - 128 * ws[n]) * mp[n] * sxs[m];
-  };
-  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; t++) {
-      const int64_t n0 = t * 4, nr = std::min<int64_t>(4, N - n0);
-      const int8_t* w[4];
-      for (int64_t r = 0; r < 4; r++) w[r] = wp + (n0 + std::min(r, nr - 1)) * K;
-      for (int64_t m = 0; m < M; m++) {
-        const uint8_t* a = qa.data() + m * kp;
-        __m512i acc0 = _mm512_setzero_si512(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-        for (int64_t c = 0; c < full; c++) {
-          const __m512i av = _mm512_loadu_si512(a + c * 64);
-          acc0 = _mm512_dpbusd_epi32(acc0, av, _mm512_loadu_si512(w[0] + c * 64));
-          acc1 = _mm512_dpbusd_epi32(acc1, av, _mm512_loadu_si512(w[1] + c * 64));
-          acc2 = _mm512_dpbusd_epi32(acc2, av, _mm512_loadu_si512(w[2] + c * 64));
-          acc3 = _mm512_dpbusd_epi32(acc3, av, _mm512_loadu_si512(w[3] + c * 64));
+  const __m512i zp = _mm512_set1_epi32(128);
+  at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t b, int64_t e) {
+    for (int64_t pair = b; pair < e; pair++) {
+      const int64_t t0 = pair * 2, nt = std::min<int64_t>(2, tiles - t0);
+      const int8_t* w0 = wp + t0 * kq * 64;
+      const int8_t* w1 = w0 + (nt > 1 ? kq * 64 : 0);
+      for (int64_t m0 = 0; m0 < M; m0 += kInt8RowBlock) {
+        const int64_t mr = std::min<int64_t>(kInt8RowBlock, M - m0);
+        __m512i acc[kInt8RowBlock][2];
+        for (int i = 0; i < kInt8RowBlock; i++) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
+        const uint8_t* a = qa.data() + m0 * kp;
+        for (int64_t c = 0; c < kq; c++) {
+          const __m512i wv0 = _mm512_loadu_si512(w0 + c * 64);
+          const __m512i wv1 = _mm512_loadu_si512(w1 + c * 64);
+          for (int64_t i = 0; i < mr; i++) {
+            int32_t four;
+            std::memcpy(&four, a + i * kp + c * 4, 4);
+            const __m512i av = _mm512_set1_epi32(four);
+            acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], av, wv0);
+            acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], av, wv1);
+          }
         }
-        if (tail) {
-          const __m512i av = _mm512_loadu_si512(a + full * 64);
-          acc0 = _mm512_dpbusd_epi32(acc0, av, _mm512_maskz_loadu_epi8(tail, w[0] + full * 64));
-          acc1 = _mm512_dpbusd_epi32(acc1, av, _mm512_maskz_loadu_epi8(tail, w[1] + full * 64));
-          acc2 = _mm512_dpbusd_epi32(acc2, av, _mm512_maskz_loadu_epi8(tail, w[2] + full * 64));
-          acc3 = _mm512_dpbusd_epi32(acc3, av, _mm512_maskz_loadu_epi8(tail, w[3] + full * 64));
+        for (int64_t j = 0; j < nt; j++) {
+          const int64_t n0 = (t0 + j) * 16, nn = std::min<int64_t>(16, N - n0);
+          const __mmask16 keep = static_cast<__mmask16>((1u << nn) - 1);
+          const __m512i corr = _mm512_mullo_epi32(zp, _mm512_loadu_si512(ws + n0));
+          const __m512 mv = _mm512_loadu_ps(mp + n0);
+          for (int64_t i = 0; i < mr; i++) {
+            const __m512 v = _mm512_mul_ps(
+                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], corr)), mv),
+                _mm512_set1_ps(sxs[m0 + i]));
+            _mm512_mask_storeu_ps(op + (m0 + i) * N + n0, keep, v);
+          }
         }
-        const int32_t sums[4] = {_mm512_reduce_add_epi32(acc0), _mm512_reduce_add_epi32(acc1),
-                                 _mm512_reduce_add_epi32(acc2), _mm512_reduce_add_epi32(acc3)};
-        for (int64_t r = 0; r < nr; r++) finish(m, n0 + r, sums[r]);
       }
     }
   });
@@ -667,7 +683,7 @@ TORCH_LIBRARY(tandem, m) {
       "Tensor context_lens, int block_size, float scale) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor lo) -> Tensor");
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  m.def("int8_linear(Tensor x, Tensor wq, Tensor w_sum, Tensor mult) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor w_sum, Tensor mult, int N) -> Tensor");
 #endif
 }
 

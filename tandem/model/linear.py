@@ -9,13 +9,14 @@ Quantization trades a little quality for fewer bytes read per decode step
 (the seeds' strongest lever on decode speed):
 
 * int8: symmetric, one fp32 scale per output channel. On CPU, activations are
-  quantized per token too (W8A8) and multiplied by fbgemm's int8 kernels
-  (batch 1: 9.7 ms for all layer matmuls vs 13.3 with ``torch._int_mm``, 16.1 in
-  fp32; batch 32: 27 vs 28 vs 48). Up to ``INT8_GEMV_MAX_ROWS`` rows, tandem's
-  VNNI kernel computes the same integers and the same float rescale (outputs
-  bit-identical, tested) 2.5-5x faster than fbgemm's GEMV; it keeps a plain
-  copy of the int8 weights beside fbgemm's packed one. On CUDA the weight is
-  dequantized inside the matmul (y = (x @ q) * scale), saving memory, not time.
+  quantized per token too (W8A8). Where the CPU has AVX-512 VNNI, tandem's
+  kernel multiplies them for every batch size, with weights packed 16 outputs
+  x 4 inputs per 64 bytes (batch 1: 2.5-4x faster than fbgemm's GEMV; up to
+  ~128 rows as fast or faster; bit-identical outputs wherever fbgemm's int16
+  pair sums do not saturate). Elsewhere fbgemm's int8 kernels run it (batch 1:
+  9.7 ms for all layer matmuls vs 13.3 with ``torch._int_mm``, 16.1 in fp32).
+  On CUDA the weight is dequantized inside the matmul (y = (x @ q) * scale),
+  saving memory, not time.
 * int4: asymmetric, groups of ``group_size`` input weights with a scale and a
   zero point each. On CPU, tandem's kernel (groups of 32) unpacks the nibbles
   in registers for up to 4 rows (decode: 0.9-2x the speed of fp32 at an eighth
@@ -82,7 +83,6 @@ def _has_vnni() -> bool:
 
 
 _REDUCE_RANGE = not _has_vnni()
-INT8_GEMV_MAX_ROWS = 8  # measured crossover with fbgemm: 8-16 rows
 _ACT_SCALE = torch.tensor(2 / 255, dtype=torch.float32)  # fbgemm's scale for the range [-1, 1]
 
 
@@ -94,26 +94,40 @@ class Int8Linear(_QuantLinear):
         self.bias = bias
         self.cpu = w.device.type == "cpu"
         self._nbytes = out_f * in_f + out_f * 4
+        self.kernel = self.cpu and _custom_ops.INT8_LINEAR
         if self.cpu:
             with warnings.catch_warnings():  # quantized tensor creation warns it is legacy
                 warnings.simplefilter("ignore")
                 qw = torch.quantize_per_channel(
                     w, self.scale.double(), torch.zeros(out_f, dtype=torch.long), 0, torch.qint8
                 )
+            if self.kernel:
+                self._pack_for_kernel(qw.int_repr())
+            else:
                 self.packed = torch.ops.quantized.linear_prepack(qw, None)
-            self.gemv = _custom_ops.INT8_LINEAR
-            if self.gemv:
-                self.wq = qw.int_repr().contiguous()  # [out, in]
-                self.w_sum = self.wq.sum(1, dtype=torch.int32)
-                self.mult = _ACT_SCALE * self.scale  # fbgemm's float rescale, same rounding
-            # One extra row pins fbgemm's per-tensor activation range to [-1, 1].
-            self.pin = torch.zeros(1, in_f)
-            self.pin[0, 0], self.pin[0, 1 % in_f] = 1.0, -1.0
+                # One extra row pins fbgemm's per-tensor activation range to [-1, 1].
+                self.pin = torch.zeros(1, in_f)
+                self.pin[0, 0], self.pin[0, 1 % in_f] = 1.0, -1.0
         else:
             q = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8)
             self.qt = q.t().contiguous()  # [in, out]
 
+    def _pack_for_kernel(self, wq: torch.Tensor) -> None:
+        """[out, in] int8 -> tiles of 16 outputs x (4 inputs per 64 bytes), zero-padded."""
+        n, k = wq.shape
+        tiles, kq = -(-n // 16), -(-k // 4)
+        padded = torch.zeros(tiles * 16, kq * 4, dtype=torch.int8)
+        padded[:n, :k] = wq
+        self.wpack = padded.view(tiles, 16, kq, 4).permute(0, 2, 1, 3).contiguous()
+        self.w_sum = padded.sum(1, dtype=torch.int32)
+        self.mult = torch.zeros(tiles * 16)
+        self.mult[:n] = _ACT_SCALE * self.scale  # fbgemm's float rescale, same rounding
+        self.out_features = n
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel:
+            return torch.ops.tandem.int8_linear(
+                x.float(), self.wpack, self.w_sum, self.mult, self.out_features).to(x.dtype)
         if self.cpu:
             # fbgemm quantizes activations with one scale per tensor, which makes
             # a row's result depend on the rest of the batch and crushes rows of
@@ -121,8 +135,6 @@ class Int8Linear(_QuantLinear):
             # range with a constant row) gives every token its own 8-bit scale:
             # batch-invariant, and the int8 kernels stay fbgemm's fast ones.
             xf = x.float()
-            if self.gemv and xf.shape[0] <= INT8_GEMV_MAX_ROWS:
-                return torch.ops.tandem.int8_linear(xf, self.wq, self.w_sum, self.mult).to(x.dtype)
             sx = xf.abs().amax(1, keepdim=True).clamp_min(1e-12)
             y = torch.ops.quantized.linear_dynamic(
                 torch.cat((xf / sx, self.pin)), self.packed, _REDUCE_RANGE
