@@ -1,15 +1,16 @@
-"""tandem's fused CPU kernels (tandem/csrc/cpu_ops.cpp), built once per machine.
+"""tandem's fused CPU kernels (tandem/csrc/), built once per machine.
 
-The source is compiled with the host's g++ against the installed torch's
-headers (~10 s, the first time only) into ``$TANDEM_CACHE/kernels`` and loaded
-as ``torch.ops.tandem.*``. ``-march=native`` is safe because the build runs on
-the machine that uses it; the cache key includes the CPU's flags, so a cache
-directory shared with another CPU model rebuilds rather than crash.
+The source (cpu_ops.cpp and the headers it includes) is compiled with the
+host's g++ against the installed torch's headers (~10 s, the first time only)
+into ``$TANDEM_CACHE/kernels`` and loaded as ``torch.ops.tandem.*``.
+``-march=native`` is safe because the build runs on the machine that uses it;
+the cache key includes the CPU's flags, so a cache directory shared with
+another CPU model rebuilds rather than crash.
 
-Every kernel has a torch reference path next to where it is called. When no
-compiler is present, the build fails, or ``TANDEM_CUSTOM_OPS=0`` is set, the
-reference paths run instead (slower, same results within float rounding) and
-one warning says why.
+Every kernel has a torch reference path next to where it is called (for int8:
+fbgemm). When no compiler is present, the build fails, or
+``TANDEM_CUSTOM_OPS=0`` is set, the reference paths run instead (slower, same
+results within float rounding) and one warning says why.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from tandem.model.gguf import cache_root_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "cpu_ops.cpp"
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off",
          "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-std=c++17",
          "-shared", "-fPIC", "-w"]
@@ -71,8 +73,9 @@ def _load() -> bool:
         return False
     if hasattr(torch.ops, "tandem") and hasattr(torch.ops.tandem, "rms_norm"):
         return True
+    sources = b"".join(f.read_bytes() for f in sorted(CSRC.glob("*.[ch]*")))
     key = hashlib.sha256(
-        SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode()
+        sources + torch.__version__.encode() + " ".join(FLAGS).encode()
         + _cpu_flags().encode()
     ).hexdigest()[:16]
     lib = cache_root_dir() / "kernels" / f"cpu_ops-{key}.so"

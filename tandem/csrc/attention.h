@@ -1,0 +1,309 @@
+// Decode attention over the paged KV cache (one query per sequence).
+#pragma once
+
+#include "common.h"
+
+namespace tandem {
+
+// Decode attention works block by block on one KV head's group of query
+// heads: qk_* writes their scores for the block's n keys, pv_* adds the
+// probability-weighted V rows to their [group, D] accumulators. Row r of a
+// block is at rows + r * row_stride; scales (int8 cache) at sc + r * sc_stride.
+struct BlockArgs {
+  int64_t n, row_stride, sc_stride, group, D, bs;  // bs: row stride of scores
+  int64_t next_offset;  // next block's rows minus this block's (elements); 0: none
+};
+
+// The next block of a sequence lives elsewhere in memory, and the hardware
+// prefetcher stops at page boundaries: while row r of this block computes,
+// fetch row r of the next one (spread out, so the fill buffers never choke).
+template <typename KV>
+inline void prefetch_row(const KV* row, const BlockArgs& a) {
+  if (!a.next_offset) return;
+  const char* p = reinterpret_cast<const char*>(row + a.next_offset);
+  for (int64_t b = 0; b < a.D * static_cast<int64_t>(sizeof(KV)); b += 64) __builtin_prefetch(p + b);
+}
+
+template <typename KV>
+void qk_generic(const float* q, int64_t qs, const KV* rows, const float* sc, const BlockArgs& a,
+                float scale, float* scores) {
+  for (int64_t o = 0; o < a.n; o++) {
+    const KV* k = rows + o * a.row_stride;
+    const float ks = (sc ? sc[o * a.sc_stride] : 1.f) * scale;
+    for (int64_t g = 0; g < a.group; g++) {
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t i = 0; i < a.D; i++) dot += q[g * qs + i] * static_cast<float>(k[i]);
+      scores[g * a.bs + o] = dot * ks;
+    }
+  }
+}
+
+template <typename KV>
+void pv_generic(const float* probs, const KV* rows, const float* sc, const BlockArgs& a,
+                float* acc) {
+  for (int64_t o = 0; o < a.n; o++) {
+    const KV* v = rows + o * a.row_stride;
+    const float vs = sc ? sc[o * a.sc_stride] : 1.f;
+    for (int64_t g = 0; g < a.group; g++) {
+      const float p = probs[g * a.bs + o] * vs;
+#pragma omp simd
+      for (int64_t i = 0; i < a.D; i++) acc[g * a.D + i] += p * static_cast<float>(v[i]);
+    }
+  }
+}
+
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// G query heads x NC 16-float chunks held in registers across the block.
+template <typename KV, int G, int NC>
+void qk_avx512(const float* q, int64_t qs, const KV* rows, const float* sc, const BlockArgs& a,
+               float scale, float* scores) {
+  __m512 qv[G][NC];
+  for (int g = 0; g < G; g++)
+    for (int c = 0; c < NC; c++) qv[g][c] = _mm512_loadu_ps(q + g * qs + c * 16);
+  for (int64_t o = 0; o < a.n; o++) {
+    const KV* k = rows + o * a.row_stride;
+    prefetch_row(k, a);
+    __m512 acc[G];
+    for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
+    for (int c = 0; c < NC; c++) {
+      const __m512 kc = load16(k + c * 16);
+      for (int g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(qv[g][c], kc, acc[g]);
+    }
+    const float ks = (sc ? sc[o * a.sc_stride] : 1.f) * scale;
+    for (int g = 0; g < G; g++) scores[g * a.bs + o] = _mm512_reduce_add_ps(acc[g]) * ks;
+  }
+}
+
+template <typename KV, int G, int NC>
+void pv_avx512(const float* probs, const KV* rows, const float* sc, const BlockArgs& a,
+               float* acc) {
+  __m512 av[G][NC];
+  for (int g = 0; g < G; g++)
+    for (int c = 0; c < NC; c++) av[g][c] = _mm512_loadu_ps(acc + g * NC * 16 + c * 16);
+  for (int64_t o = 0; o < a.n; o++) {
+    const KV* v = rows + o * a.row_stride;
+    prefetch_row(v, a);
+    const float vs = sc ? sc[o * a.sc_stride] : 1.f;
+    __m512 p[G];
+    for (int g = 0; g < G; g++) p[g] = _mm512_set1_ps(probs[g * a.bs + o] * vs);
+    for (int c = 0; c < NC; c++) {
+      const __m512 vc = load16(v + c * 16);
+      for (int g = 0; g < G; g++) av[g][c] = _mm512_fmadd_ps(p[g], vc, av[g][c]);
+    }
+  }
+  for (int g = 0; g < G; g++)
+    for (int c = 0; c < NC; c++) _mm512_storeu_ps(acc + g * NC * 16 + c * 16, av[g][c]);
+}
+#endif
+
+template <typename KV>
+struct BlockKernels {
+  void (*qk)(const float*, int64_t, const KV*, const float*, const BlockArgs&, float, float*) =
+      qk_generic<KV>;
+  void (*pv)(const float*, const KV*, const float*, const BlockArgs&, float*) = pv_generic<KV>;
+};
+
+#ifdef __AVX512F__
+template <typename KV, int NC>
+void pick_group(int64_t group, BlockKernels<KV>& k) {
+  switch (group) {
+#define TANDEM_GROUP(G)          \
+  case G:                        \
+    k.qk = qk_avx512<KV, G, NC>; \
+    k.pv = pv_avx512<KV, G, NC>; \
+    return;
+    TANDEM_GROUP(1) TANDEM_GROUP(2) TANDEM_GROUP(3) TANDEM_GROUP(4)
+    TANDEM_GROUP(5) TANDEM_GROUP(6) TANDEM_GROUP(7) TANDEM_GROUP(8)
+#undef TANDEM_GROUP
+    default:
+      return;
+  }
+}
+#endif
+
+// Register-blocked kernels for the common shapes (head size 64 or 128, up to
+// 8 query heads per KV head), the generic loops otherwise.
+template <typename KV>
+BlockKernels<KV> pick_kernels(int64_t group, int64_t D) {
+  BlockKernels<KV> k;
+#ifdef __AVX512F__
+  if (D == 64) pick_group<KV, 4>(group, k);
+  if (D == 128) pick_group<KV, 8>(group, k);
+#endif
+  return k;
+}
+
+// One decode query per sequence against part of its paged context: the query
+// heads of KV heads [kv0, kv1) over tokens [start, end) (whole blocks but the
+// last). A single pass, block by block, with an online softmax: each cache row
+// (a slot's K and V heads, contiguous) is read from memory once, and the heads
+// sharing a KV head reuse it from L1. Leaves the running max m, sum l and
+// un-normalized numerator acc [nh, D] of each head for merge_partials.
+template <typename KV>
+void attend_range(const BlockKernels<KV>& kern, const float* q, int64_t q_head_stride,
+                  const KV* cache, const float* kv_scale, const int32_t* table, int64_t start0,
+                  int64_t end, int64_t block_size, int64_t hkv, int64_t kv0, int64_t kv1,
+                  int64_t group, int64_t D, float scale, float* m, float* l, float* acc,
+                  std::vector<float>& buf) {
+  const int64_t nh = (kv1 - kv0) * group, slot_stride = 2 * hkv * D;
+  buf.resize(nh * block_size);
+  float* sc = buf.data();  // [nh, block_size] scores, then probabilities
+  std::fill(m, m + nh, -INFINITY);
+  std::fill(l, l + nh, 0.f);
+  std::fill(acc, acc + nh * D, 0.f);
+  const int64_t ctx = end;
+  BlockArgs a{0, slot_stride, 2 * hkv, group, D, block_size, 0};
+  for (int64_t start = start0, blk = start0 / block_size; start < ctx;
+       start += block_size, blk++) {
+    a.n = std::min(block_size, ctx - start);
+    const int64_t base = static_cast<int64_t>(table[blk]) * block_size;
+    a.next_offset = start + block_size < ctx
+                        ? (static_cast<int64_t>(table[blk + 1]) * block_size - base) * slot_stride
+                        : 0;
+    for (int64_t kvh = kv0; kvh < kv1; kvh++) {
+      const int64_t h0 = (kvh - kv0) * group;
+      kern.qk(q + h0 * q_head_stride, q_head_stride, cache + base * slot_stride + kvh * D,
+              kv_scale ? kv_scale + base * 2 * hkv + kvh : nullptr, a, scale,
+              sc + h0 * block_size);
+    }
+    for (int64_t h = 0; h < nh; h++) {
+      float* s = sc + h * block_size;
+      float bm = m[h];
+      for (int64_t o = 0; o < a.n; o++) bm = s[o] > bm ? s[o] : bm;
+      const float alpha = exp_approx(m[h] - bm);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t o = 0; o < a.n; o++) {
+        s[o] = exp_approx(s[o] - bm);
+        sum += s[o];
+      }
+      l[h] = l[h] * alpha + sum;
+      m[h] = bm;
+      if (alpha != 1.f) {
+        float* ah = acc + h * D;
+#pragma omp simd
+        for (int64_t i = 0; i < D; i++) ah[i] *= alpha;
+      }
+    }
+    for (int64_t kvh = kv0; kvh < kv1; kvh++) {
+      const int64_t h0 = (kvh - kv0) * group;
+      kern.pv(sc + h0 * block_size, cache + base * slot_stride + (hkv + kvh) * D,
+              kv_scale ? kv_scale + base * 2 * hkv + hkv + kvh : nullptr, a, acc + h0 * D);
+    }
+  }
+}
+
+// Combines the softmax partials of one head over `splits` context ranges (the
+// range s partials are s * stride floats after the first) into its output.
+void merge_partials(const float* m, const float* l, const float* acc, int64_t splits,
+                    int64_t stride, int64_t D, float* out) {
+  float mx = -INFINITY;
+  for (int64_t s = 0; s < splits; s++) mx = std::max(mx, m[s * stride]);
+  float total = 0.f;
+  std::fill(out, out + D, 0.f);
+  for (int64_t s = 0; s < splits; s++) {
+    if (l[s * stride] == 0.f) continue;  // an empty range (past this sequence's end)
+    const float w = exp_approx(m[s * stride] - mx);
+    total += w * l[s * stride];
+    const float* a = acc + s * stride;
+#pragma omp simd
+    for (int64_t i = 0; i < D; i++) out[i] += w * a[i];
+  }
+  const float inv = 1.f / total;
+#pragma omp simd
+  for (int64_t i = 0; i < D; i++) out[i] *= inv;
+}
+
+at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& cache,
+                                  const std::optional<at::Tensor>& cache_scale,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                  int64_t block_size, double scale) {
+  check_float_rows(q, "q");
+  TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
+  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 4, "cache must be a contiguous [S, 2, Hkv, D]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(),
+              "block_tables and context_lens must be contiguous int32");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), hkv = cache.size(2);
+  TORCH_CHECK(cache.size(3) == D && H % hkv == 0, "q and cache heads do not match");
+  const int64_t group = H / hkv, nb = block_tables.size(1);
+  const bool int8 = cache_scale.has_value();
+  TORCH_CHECK(int8 ? cache.scalar_type() == at::kChar : cache.scalar_type() == at::kFloat,
+              "cache dtype does not match its kind");
+  auto out = at::empty({B, H * D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const int32_t* tp = block_tables.data_ptr<int32_t>();
+  const int32_t* lp = context_lens.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  const float* sp = int8 ? cache_scale->data_ptr<float>() : nullptr;
+  const void* cp = cache.data_ptr();
+  // Work items: whole sequences when there are enough of them to share out
+  // (each cache row then streams from memory once); else (sequence, KV head),
+  // and a long context split into ranges of whole blocks, so that one or two
+  // sequences still keep every thread streaming (flash-decoding).
+  const int64_t threads = at::get_num_threads();
+  const int64_t heads_per_item = B >= 2 * threads ? hkv : 1;
+  const int64_t kv_items = hkv / heads_per_item;
+  int64_t total_ctx = 0, max_ctx = 1;
+  for (int64_t b = 0; b < B; b++) {
+    total_ctx += lp[b];
+    max_ctx = std::max<int64_t>(max_ctx, lp[b]);
+  }
+  constexpr int64_t kMinSplitTokens = 256;
+  int64_t splits = 1;
+  if (heads_per_item == 1) {  // about 4 items per thread, a multiple of the threads
+    const int64_t most = std::max<int64_t>(1, max_ctx / kMinSplitTokens);
+    splits = std::min(most, (4 * threads + B * kv_items - 1) / (B * kv_items));
+    while (splits < most && (B * kv_items * splits) % threads) splits++;
+  }
+  // Tokens per split: whole blocks, so a split never starts mid-block.
+  const int64_t span = (max_ctx + splits - 1) / splits;
+  const int64_t split_tokens = (span + block_size - 1) / block_size * block_size;
+  const int64_t nh = heads_per_item * group, items = B * kv_items * splits;
+  std::vector<float> part(items * nh * (D + 2));  // per item: m [nh], l [nh], acc [nh, D]
+  // Stay on this thread unless the work pays for waking the others.
+  const int64_t grain = total_ctx * hkv * D * 2 < 32768 ? items : 1;
+  const float fscale = static_cast<float>(scale);
+  const auto kf = pick_kernels<float>(group, D);
+  const auto k8 = pick_kernels<int8_t>(group, D);
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    for (int64_t w = begin; w < end; w++) {
+      const int64_t split = w % splits, seq_item = w / splits;
+      const int64_t b = seq_item / kv_items, kv0 = (seq_item % kv_items) * heads_per_item;
+      const int64_t lo = std::min<int64_t>(split * split_tokens, lp[b]);
+      const int64_t hi = std::min<int64_t>(lo + split_tokens, lp[b]);
+      float* m = part.data() + w * nh * (D + 2);
+      float* l = m + nh;
+      float* acc = l + nh;
+      const float* qb = qp + b * qs0 + kv0 * group * qs1;
+      if (int8)
+        attend_range<int8_t>(k8, qb, qs1, static_cast<const int8_t*>(cp), sp, tp + b * nb, lo, hi,
+                             block_size, hkv, kv0, kv0 + heads_per_item, group, D, fscale, m, l,
+                             acc, buf);
+      else
+        attend_range<float>(kf, qb, qs1, static_cast<const float*>(cp), nullptr, tp + b * nb, lo,
+                            hi, block_size, hkv, kv0, kv0 + heads_per_item, group, D, fscale, m,
+                            l, acc, buf);
+    }
+  });
+  // Merge each head's splits (a plain normalization when there is one).
+  const int64_t stride = nh * (D + 2);
+  for (int64_t seq_item = 0; seq_item < B * kv_items; seq_item++) {
+    const int64_t b = seq_item / kv_items, kv0 = (seq_item % kv_items) * heads_per_item;
+    const float* first = part.data() + seq_item * splits * stride;
+    for (int64_t h = 0; h < nh; h++)
+      merge_partials(first + h, first + nh + h, first + 2 * nh + h * D, splits, stride, D,
+                     op + b * H * D + (kv0 * group + h) * D);
+  }
+  return out;
+}
+
+}  // namespace tandem

@@ -1,0 +1,119 @@
+// The per-layer glue of a decode step, one pass each: RMSNorm, SiLU-and-mul,
+// RoPE plus the KV-cache write.
+#pragma once
+
+#include "common.h"
+
+namespace tandem {
+
+// out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_float_rows(x, "x");
+  check_float_rows(w, "w");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.size(0) == x.size(1), "rms_norm: shape mismatch");
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0);
+  auto out = at::empty({rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; t++) {
+      const float* r = xp + t * xs;
+      float* o = op + t * n;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < n; i++) ss += r[i] * r[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + feps);
+#pragma omp simd
+      for (int64_t i = 0; i < n; i++) o[i] = wp[i] * (r[i] * inv);
+    }
+  });
+  return out;
+}
+
+// x: [T, 2N] (gate | up) -> silu(gate) * up: [T, N]
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_float_rows(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be [T, 2N]");
+  const int64_t rows = x.size(0), n = x.size(1) / 2, xs = x.stride(0);
+  auto out = at::empty({rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; t++) {
+      const float* g = xp + t * xs;
+      const float* u = g + n;
+      float* o = op + t * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+// In place on qkv [T, H + 2*Hkv, D] (rows contiguous): rotate the H query and
+// Hkv key heads by their position (HF's rotate_half convention; cos/sin are
+// tandem's [P, D] tables, cos = [c, c], sin = [-s, s]); then write each
+// token's K and V to its cache slot: dense cache [S, 2, Hkv, D] of the qkv
+// dtype, or int8 [S, 2, Hkv, D] plus fp32 scale [S, 2, Hkv, 1].
+void rotary_embedding_and_cache(const at::Tensor& qkv, const at::Tensor& positions,
+                                const at::Tensor& cos, const at::Tensor& sin,
+                                int64_t num_heads, int64_t num_kv_heads, const at::Tensor& cache,
+                                const std::optional<at::Tensor>& cache_scale,
+                                const at::Tensor& slots) {
+  check_float_rows(qkv, "qkv");
+  TORCH_CHECK(qkv.dim() == 3 && qkv.size(1) == num_heads + 2 * num_kv_heads && qkv.is_contiguous(),
+              "qkv must be a contiguous [T, H + 2 Hkv, D]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong,
+              "positions and slots must be int64");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "rope tables must be contiguous");
+  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 4, "cache must be a contiguous [S, 2, Hkv, D]");
+  const int64_t T = qkv.size(0), D = qkv.size(2), half = D / 2, hkv = num_kv_heads;
+  const int64_t rot_heads = num_heads + num_kv_heads;
+  const bool int8 = cache_scale.has_value();
+  TORCH_CHECK(int8 ? cache.scalar_type() == at::kChar : cache.scalar_type() == at::kFloat,
+              "cache dtype does not match its kind");
+  float* qp = qkv.data_ptr<float>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t row = (num_heads + 2 * hkv) * D;
+  at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; t++) {
+      float* x = qp + t * row;
+      const float* c = cp + pos[t] * D;
+      const float* s = sp + pos[t] * D + half;  // +sin
+      for (int64_t h = 0; h < rot_heads; h++) {
+        float* a = x + h * D;
+        float* y = a + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; i++) {
+          const float x1 = a[i], x2 = y[i];
+          a[i] = x1 * c[i] - x2 * s[i];
+          y[i] = x2 * c[i] + x1 * s[i];
+        }
+      }
+      const float* kv = x + num_heads * D;  // K heads then V heads: [2, Hkv, D]
+      if (!int8) {
+        std::memcpy(cache.data_ptr<float>() + slot[t] * 2 * hkv * D, kv, 2 * hkv * D * sizeof(float));
+        continue;
+      }
+      int8_t* qd = cache.data_ptr<int8_t>() + slot[t] * 2 * hkv * D;
+      float* sd = cache_scale->data_ptr<float>() + slot[t] * 2 * hkv;
+      for (int64_t h = 0; h < 2 * hkv; h++) {
+        const float* src = kv + h * D;
+        float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+        for (int64_t i = 0; i < D; i++) amax = std::max(amax, std::fabs(src[i]));
+        const float scale = std::max(amax, 1e-8f) / 127.0f;
+        sd[h] = scale;
+        for (int64_t i = 0; i < D; i++)
+          qd[h * D + i] = static_cast<int8_t>(std::nearbyint(src[i] / scale));
+      }
+    }
+  });
+}
+
+}  // namespace tandem
