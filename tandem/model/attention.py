@@ -66,10 +66,9 @@ def build_group(
     b = len(q_lens)
     max_q, max_ctx = max(q_lens), max(ctx_lens)
     nblk = -(-max_ctx // block_size)
-    table = torch.zeros((b, nblk), dtype=torch.long)
-    for i, blocks in enumerate(block_tables):
-        n = min(len(blocks), nblk)
-        table[i, :n] = torch.tensor(blocks[:n], dtype=torch.long)
+    # One tensor op for the whole table (rows padded with block 0, never read).
+    table = torch.tensor([bt[:nblk] + [0] * (nblk - len(bt[:nblk])) for bt in block_tables],
+                         dtype=torch.long)
     if fused and max_q == 1:
         return AttnGroup(
             num_tokens=b, key_slots=None, mask=None, q_index=None, out_index=None, batch=b,
