@@ -95,7 +95,7 @@ AVAILABLE: bool = _load()
 """Whether torch.ops.tandem.* is loaded (callers keep a torch reference path)."""
 
 INT8_LINEAR: bool = AVAILABLE and hasattr(torch.ops.tandem, "int8_linear")
-"""The int8 GEMV is built only where the CPU has AVX-512 VNNI."""
+"""The int8 matmul kernel is built only where the CPU has AVX-512 VNNI (fbgemm elsewhere)."""
 
 
 if __name__ == "__main__":  # `python -m tandem._custom_ops`: build now (the Makefile's set-up)
@@ -103,4 +103,4 @@ if __name__ == "__main__":  # `python -m tandem._custom_ops`: build now (the Mak
     if not _load():
         raise SystemExit("tandem's CPU kernels are unavailable; tandem runs, more slowly")
     print("tandem's CPU kernels are built"
-          + ("" if INT8_LINEAR else " (no int8 GEMV: this CPU lacks AVX-512 VNNI)"))
+          + ("" if INT8_LINEAR else " (int8 runs on fbgemm: this CPU lacks AVX-512 VNNI)"))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import uvicorn
 
@@ -31,3 +32,20 @@ def serve_app(app, start_timeout: float = 30.0) -> tuple[str, Callable[[], None]
         thread.join(timeout=10)
 
     return f"http://127.0.0.1:{port}", stop
+
+
+@contextmanager
+def app_servers(make_app: Callable) -> Iterator[Callable[..., str]]:
+    """start(*args) -> url of a new server running make_app(*args); all stopped on exit."""
+    stops: list[Callable[[], None]] = []
+
+    def start(*args) -> str:
+        url, stop = serve_app(make_app(*args))
+        stops.append(stop)
+        return url
+
+    try:
+        yield start
+    finally:
+        for stop in stops:
+            stop()

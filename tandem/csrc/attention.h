@@ -140,7 +140,7 @@ BlockKernels<KV> pick_kernels(int64_t group, int64_t D) {
 }
 
 // One decode query per sequence against part of its paged context: the query
-// heads of KV heads [kv0, kv1) over tokens [start, end) (whole blocks but the
+// heads of KV heads [kv0, kv1) over tokens [start0, ctx) (whole blocks but the
 // last). A single pass, block by block, with an online softmax: each cache row
 // (a slot's K and V heads, contiguous) is read from memory once, and the heads
 // sharing a KV head reuse it from L1. Leaves the running max m, sum l and
@@ -148,7 +148,7 @@ BlockKernels<KV> pick_kernels(int64_t group, int64_t D) {
 template <typename KV>
 void attend_range(const BlockKernels<KV>& kern, const float* q, int64_t q_head_stride,
                   const KV* cache, const float* kv_scale, const int32_t* table, int64_t start0,
-                  int64_t end, int64_t block_size, int64_t hkv, int64_t kv0, int64_t kv1,
+                  int64_t ctx, int64_t block_size, int64_t hkv, int64_t kv0, int64_t kv1,
                   int64_t group, int64_t D, float scale, float* m, float* l, float* acc,
                   std::vector<float>& buf) {
   const int64_t nh = (kv1 - kv0) * group, slot_stride = 2 * hkv * D;
@@ -157,7 +157,6 @@ void attend_range(const BlockKernels<KV>& kern, const float* q, int64_t q_head_s
   std::fill(m, m + nh, -INFINITY);
   std::fill(l, l + nh, 0.f);
   std::fill(acc, acc + nh * D, 0.f);
-  const int64_t ctx = end;
   BlockArgs a{0, slot_stride, 2 * hkv, group, D, block_size, 0};
   for (int64_t start = start0, blk = start0 / block_size; start < ctx;
        start += block_size, blk++) {

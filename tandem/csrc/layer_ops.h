@@ -79,6 +79,9 @@ void rotary_embedding_and_cache(const at::Tensor& qkv, const at::Tensor& positio
   const int64_t* slot = slots.data_ptr<int64_t>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
+  float* cache_f = int8 ? nullptr : cache.data_ptr<float>();
+  int8_t* cache_q = int8 ? cache.data_ptr<int8_t>() : nullptr;
+  float* cache_s = int8 ? cache_scale->data_ptr<float>() : nullptr;
   const int64_t row = (num_heads + 2 * hkv) * D;
   at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; t++) {
@@ -97,11 +100,11 @@ void rotary_embedding_and_cache(const at::Tensor& qkv, const at::Tensor& positio
       }
       const float* kv = x + num_heads * D;  // K heads then V heads: [2, Hkv, D]
       if (!int8) {
-        std::memcpy(cache.data_ptr<float>() + slot[t] * 2 * hkv * D, kv, 2 * hkv * D * sizeof(float));
+        std::memcpy(cache_f + slot[t] * 2 * hkv * D, kv, 2 * hkv * D * sizeof(float));
         continue;
       }
-      int8_t* qd = cache.data_ptr<int8_t>() + slot[t] * 2 * hkv * D;
-      float* sd = cache_scale->data_ptr<float>() + slot[t] * 2 * hkv;
+      int8_t* qd = cache_q + slot[t] * 2 * hkv * D;
+      float* sd = cache_s + slot[t] * 2 * hkv;
       for (int64_t h = 0; h < 2 * hkv; h++) {
         const float* src = kv + h * D;
         float amax = 0.f;

@@ -91,17 +91,21 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     return at::mm(x, w.t());
   }
   auto out = at::empty({M, N}, x.options());
-  std::vector<float> xsum(M * G);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  std::vector<float> xsum(M * G);  // per-group sums of each row, for the lo terms
   for (int64_t m = 0; m < M; m++)
     for (int64_t g = 0; g < G; g++) {
+      const float* xg = xp + m * xs + g * 32;
       float t = 0.f;
-      for (int64_t i = 0; i < 32; i++) t += x.data_ptr<float>()[m * x.stride(0) + g * 32 + i];
+#pragma omp simd reduction(+ : t)
+      for (int64_t i = 0; i < 32; i++) t += xg[i];
       xsum[m * G + g] = t;
     }
   at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
     for (int64_t m = 0; m < M; m++)
-      int4_gemv_rows(pp, sp, lp, b, e, K, x.data_ptr<float>() + m * x.stride(0),
-                     xsum.data() + m * G, out.data_ptr<float>() + m * N);
+      int4_gemv_rows(pp, sp, lp, b, e, K, xp + m * xs, xsum.data() + m * G, op + m * N);
   });
   return out;
 }

@@ -28,7 +28,7 @@ from tandem.config import EngineConfig
 from tandem.engine.async_engine import AsyncEngine
 from tandem.server.app import ServerConfig
 from tests.server.conftest import RunningServer, slow_down, start_server, tiny_engine
-from tests.serving import serve_app
+from tests.serving import app_servers, serve_app
 
 __all__ = ["start_server"]  # the session fixture, re-exported for this directory
 
@@ -121,16 +121,8 @@ def fake_app(p: FakePlan) -> Starlette:
 @pytest.fixture
 def fake_server():
     """fake_server(FakePlan) -> url; every server stopped after the test."""
-    stops = []
-
-    def start(plan: FakePlan) -> str:
-        url, stop = serve_app(fake_app(plan))
-        stops.append(stop)
-        return url
-
-    yield start
-    for stop in stops:
-        stop()
+    with app_servers(fake_app) as start:
+        yield start
 
 
 # ---------------------------------------------------------- recording proxy

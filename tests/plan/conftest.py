@@ -22,7 +22,7 @@ from tandem.config import EngineConfig
 from tandem.engine.async_engine import AsyncEngine
 from tandem.server.app import ServerConfig
 from tests.server.conftest import RunningServer, slow_down, start_server, tiny_engine
-from tests.serving import serve_app
+from tests.serving import app_servers
 
 __all__ = ["start_server"]  # the session fixture, re-exported for this directory
 
@@ -130,13 +130,5 @@ def fake_ollama_app(num_parallel: int) -> Starlette:
 @pytest.fixture
 def fake_ollama():
     """fake_ollama(num_parallel) -> url; stopped after the test."""
-    stops = []
-
-    def start(num_parallel: int) -> str:
-        url, stop = serve_app(fake_ollama_app(num_parallel))
-        stops.append(stop)
-        return url
-
-    yield start
-    for stop in stops:
-        stop()
+    with app_servers(fake_ollama_app) as start:
+        yield start

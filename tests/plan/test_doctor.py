@@ -27,8 +27,8 @@ from tandem.plan.doctor import (
     verdict,
 )
 from tandem.plan.doctor_probe import normalize_url
-from tests.bench.conftest import serve_app
 from tests.plan.conftest import MODEL_SIZE
+from tests.serving import serve_app
 
 
 # ------------------------------------------------------------ synthetic inputs
