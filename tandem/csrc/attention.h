@@ -219,6 +219,107 @@ void merge_partials(const float* m, const float* l, const float* acc, int64_t sp
   for (int64_t i = 0; i < D; i++) out[i] *= inv;
 }
 
+// Decode attention for a batch of sequences (one query each) against one
+// layer's cache, as work items a thread team shares: plan() picks the items
+// from the context lengths, run_item() attends one, merge() writes a
+// (sequence, KV head group)'s output from its items' partials.
+//
+// Items are whole sequences when there are enough of them to share out (each
+// cache row then streams from memory once); else (sequence, KV head), and a
+// long context split into ranges of whole blocks, so that one or two
+// sequences still keep every thread streaming (flash-decoding).
+struct DecodeAttention {
+  const float* q;  // [B, H, D] with strides qs0, qs1
+  int64_t qs0, qs1;
+  const int32_t* tables;  // [B, nb] block ids
+  int64_t nb;
+  const int32_t* lens;  // [B] context lengths
+  int64_t B, hkv, group, D, block_size;
+  float scale;
+  // The plan.
+  int64_t heads_per_item = 1, kv_items = 1, splits = 1, split_tokens = 0, nh = 1, items = 0;
+  int64_t total_ctx = 0;
+  BlockKernels<float> kf;
+  BlockKernels<int8_t> k8;
+
+  void plan(int64_t threads) {
+    kf = pick_kernels<float>(group, D);
+    k8 = pick_kernels<int8_t>(group, D);
+    heads_per_item = B >= 2 * threads ? hkv : 1;
+    kv_items = hkv / heads_per_item;
+    int64_t max_ctx = 1;
+    total_ctx = 0;
+    for (int64_t b = 0; b < B; b++) {
+      total_ctx += lens[b];
+      max_ctx = std::max<int64_t>(max_ctx, lens[b]);
+    }
+    constexpr int64_t kMinSplitTokens = 256;
+    splits = 1;
+    if (heads_per_item == 1) {  // about 4 items per thread, a multiple of the threads
+      const int64_t most = std::max<int64_t>(1, max_ctx / kMinSplitTokens);
+      splits = std::min(most, (4 * threads + B * kv_items - 1) / (B * kv_items));
+      while (splits < most && (B * kv_items * splits) % threads) splits++;
+    }
+    // Tokens per split: whole blocks, so a split never starts mid-block.
+    const int64_t span = (max_ctx + splits - 1) / splits;
+    split_tokens = (span + block_size - 1) / block_size * block_size;
+    nh = heads_per_item * group;
+    items = B * kv_items * splits;
+  }
+
+  // Floats of partials: per item m [nh], l [nh], acc [nh, D].
+  int64_t partial_floats() const { return items * nh * (D + 2); }
+
+  // Item w against the cache [S, 2, Hkv, D] (float, or int8 with kv_scale).
+  void run_item(int64_t w, const void* cache, const float* kv_scale, float* part,
+                std::vector<float>& buf) const {
+    const int64_t split = w % splits, seq_item = w / splits;
+    const int64_t b = seq_item / kv_items, kv0 = (seq_item % kv_items) * heads_per_item;
+    const int64_t lo = std::min<int64_t>(split * split_tokens, lens[b]);
+    const int64_t hi = std::min<int64_t>(lo + split_tokens, lens[b]);
+    float* m = part + w * nh * (D + 2);
+    float* l = m + nh;
+    float* acc = l + nh;
+    const float* qb = q + b * qs0 + kv0 * group * qs1;
+    if (kv_scale)
+      attend_range<int8_t>(k8, qb, qs1, static_cast<const int8_t*>(cache), kv_scale,
+                           tables + b * nb, lo, hi, block_size, hkv, kv0, kv0 + heads_per_item,
+                           group, D, scale, m, l, acc, buf);
+    else
+      attend_range<float>(kf, qb, qs1, static_cast<const float*>(cache), nullptr,
+                          tables + b * nb, lo, hi, block_size, hkv, kv0, kv0 + heads_per_item,
+                          group, D, scale, m, l, acc, buf);
+  }
+
+  // Output heads of (sequence, KV head group) seq_item < B * kv_items into
+  // out [B, H * D] (a plain normalization when there is one split).
+  void merge(int64_t seq_item, const float* part, float* out) const {
+    const int64_t stride = nh * (D + 2);
+    const int64_t b = seq_item / kv_items, kv0 = (seq_item % kv_items) * heads_per_item;
+    const float* first = part + seq_item * splits * stride;
+    for (int64_t h = 0; h < nh; h++)
+      merge_partials(first + h, first + nh + h, first + 2 * nh + h * D, splits, stride, D,
+                     out + b * hkv * group * D + (kv0 * group + h) * D);
+  }
+};
+
+// Checks the step's block tables and context lengths and sets up the batch.
+inline DecodeAttention decode_attention(const float* q, int64_t qs0, int64_t qs1, int64_t B,
+                                        int64_t H, int64_t hkv, int64_t D,
+                                        const at::Tensor& block_tables,
+                                        const at::Tensor& context_lens, int64_t block_size,
+                                        double scale) {
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(),
+              "block_tables and context_lens must be contiguous int32");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && context_lens.numel() == B,
+              "block_tables and context_lens must have a row per sequence");
+  TORCH_CHECK(H % hkv == 0, "q and cache heads do not match");
+  return DecodeAttention{q, qs0, qs1, block_tables.data_ptr<int32_t>(), block_tables.size(1),
+                         context_lens.data_ptr<int32_t>(), B, hkv, H / hkv, D, block_size,
+                         static_cast<float>(scale)};
+}
+
 at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& cache,
                                   const std::optional<at::Tensor>& cache_scale,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens,
@@ -226,82 +327,25 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& cache,
   check_float_rows(q, "q");
   TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
   TORCH_CHECK(cache.is_contiguous() && cache.dim() == 4, "cache must be a contiguous [S, 2, Hkv, D]");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
-                  context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(),
-              "block_tables and context_lens must be contiguous int32");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), hkv = cache.size(2);
-  TORCH_CHECK(cache.size(3) == D && H % hkv == 0, "q and cache heads do not match");
-  const int64_t group = H / hkv, nb = block_tables.size(1);
+  TORCH_CHECK(cache.size(3) == D, "q and cache head sizes do not match");
   const bool int8 = cache_scale.has_value();
   TORCH_CHECK(int8 ? cache.scalar_type() == at::kChar : cache.scalar_type() == at::kFloat,
               "cache dtype does not match its kind");
+  auto att = decode_attention(q.data_ptr<float>(), q.stride(0), q.stride(1), B, H, hkv, D,
+                              block_tables, context_lens, block_size, scale);
+  att.plan(at::get_num_threads());
   auto out = at::empty({B, H * D}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-  const int32_t* tp = block_tables.data_ptr<int32_t>();
-  const int32_t* lp = context_lens.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
+  std::vector<float> part(att.partial_floats());
   const float* sp = int8 ? cache_scale->data_ptr<float>() : nullptr;
-  const void* cp = cache.data_ptr();
-  // Work items: whole sequences when there are enough of them to share out
-  // (each cache row then streams from memory once); else (sequence, KV head),
-  // and a long context split into ranges of whole blocks, so that one or two
-  // sequences still keep every thread streaming (flash-decoding).
-  const int64_t threads = at::get_num_threads();
-  const int64_t heads_per_item = B >= 2 * threads ? hkv : 1;
-  const int64_t kv_items = hkv / heads_per_item;
-  int64_t total_ctx = 0, max_ctx = 1;
-  for (int64_t b = 0; b < B; b++) {
-    total_ctx += lp[b];
-    max_ctx = std::max<int64_t>(max_ctx, lp[b]);
-  }
-  constexpr int64_t kMinSplitTokens = 256;
-  int64_t splits = 1;
-  if (heads_per_item == 1) {  // about 4 items per thread, a multiple of the threads
-    const int64_t most = std::max<int64_t>(1, max_ctx / kMinSplitTokens);
-    splits = std::min(most, (4 * threads + B * kv_items - 1) / (B * kv_items));
-    while (splits < most && (B * kv_items * splits) % threads) splits++;
-  }
-  // Tokens per split: whole blocks, so a split never starts mid-block.
-  const int64_t span = (max_ctx + splits - 1) / splits;
-  const int64_t split_tokens = (span + block_size - 1) / block_size * block_size;
-  const int64_t nh = heads_per_item * group, items = B * kv_items * splits;
-  std::vector<float> part(items * nh * (D + 2));  // per item: m [nh], l [nh], acc [nh, D]
   // Stay on this thread unless the work pays for waking the others.
-  const int64_t grain = total_ctx * hkv * D * 2 < 32768 ? items : 1;
-  const float fscale = static_cast<float>(scale);
-  const auto kf = pick_kernels<float>(group, D);
-  const auto k8 = pick_kernels<int8_t>(group, D);
-  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+  const int64_t grain = att.total_ctx * hkv * D * 2 < 32768 ? att.items : 1;
+  at::parallel_for(0, att.items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
-    for (int64_t w = begin; w < end; w++) {
-      const int64_t split = w % splits, seq_item = w / splits;
-      const int64_t b = seq_item / kv_items, kv0 = (seq_item % kv_items) * heads_per_item;
-      const int64_t lo = std::min<int64_t>(split * split_tokens, lp[b]);
-      const int64_t hi = std::min<int64_t>(lo + split_tokens, lp[b]);
-      float* m = part.data() + w * nh * (D + 2);
-      float* l = m + nh;
-      float* acc = l + nh;
-      const float* qb = qp + b * qs0 + kv0 * group * qs1;
-      if (int8)
-        attend_range<int8_t>(k8, qb, qs1, static_cast<const int8_t*>(cp), sp, tp + b * nb, lo, hi,
-                             block_size, hkv, kv0, kv0 + heads_per_item, group, D, fscale, m, l,
-                             acc, buf);
-      else
-        attend_range<float>(kf, qb, qs1, static_cast<const float*>(cp), nullptr, tp + b * nb, lo,
-                            hi, block_size, hkv, kv0, kv0 + heads_per_item, group, D, fscale, m,
-                            l, acc, buf);
-    }
+    for (int64_t w = begin; w < end; w++) att.run_item(w, cache.data_ptr(), sp, part.data(), buf);
   });
-  // Merge each head's splits (a plain normalization when there is one).
-  const int64_t stride = nh * (D + 2);
-  for (int64_t seq_item = 0; seq_item < B * kv_items; seq_item++) {
-    const int64_t b = seq_item / kv_items, kv0 = (seq_item % kv_items) * heads_per_item;
-    const float* first = part.data() + seq_item * splits * stride;
-    for (int64_t h = 0; h < nh; h++)
-      merge_partials(first + h, first + nh + h, first + 2 * nh + h * D, splits, stride, D,
-                     op + b * H * D + (kv0 * group + h) * D);
-  }
+  float* op = out.data_ptr<float>();
+  for (int64_t s = 0; s < B * att.kv_items; s++) att.merge(s, part.data(), op);
   return out;
 }
 

@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include "attention.h"
+#include "decode_step.h"
 #include "layer_ops.h"
 #include "quant_linear.h"
 
@@ -39,6 +40,12 @@ TORCH_LIBRARY(tandem, m) {
       "paged_attention_decode(Tensor q, Tensor cache, Tensor? cache_scale, Tensor block_tables, "
       "Tensor context_lens, int block_size, float scale) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor lo) -> Tensor");
+  using TensorList = std::vector<at::Tensor>;
+  m.class_<tandem::DecodeStep>("DecodeStep")
+      .def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, TensorList,
+                       TensorList, TensorList, TensorList, TensorList, TensorList, TensorList,
+                       TensorList, TensorList, TensorList, TensorList, int64_t, int64_t, double>())
+      .def("forward", &tandem::DecodeStep::forward);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.def("int8_linear(Tensor x, Tensor packed, Tensor w_sum, Tensor mult, int N) -> Tensor");
 #endif

@@ -6,6 +6,22 @@
 
 namespace tandem {
 
+// o = x / sqrt(mean(x^2) + eps) * w over one row of n (o may be x).
+inline void rms_norm_row(const float* x, const float* w, int64_t n, float eps, float* o) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; i++) o[i] = w[i] * (x[i] * inv);
+}
+
+// SwiGLU's activation of one row: o = silu(gate) * up.
+inline void silu_and_mul_row(const float* g, const float* u, int64_t n, float* o) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+}
+
 // out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_float_rows(x, "x");
@@ -18,16 +34,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   float* op = out.data_ptr<float>();
   const float feps = static_cast<float>(eps);
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; t++) {
-      const float* r = xp + t * xs;
-      float* o = op + t * n;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < n; i++) ss += r[i] * r[i];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + feps);
-#pragma omp simd
-      for (int64_t i = 0; i < n; i++) o[i] = wp[i] * (r[i] * inv);
-    }
+    for (int64_t t = b; t < e; t++) rms_norm_row(xp + t * xs, wp, n, feps, op + t * n);
   });
   return out;
 }
@@ -41,22 +48,75 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; t++) {
-      const float* g = xp + t * xs;
-      const float* u = g + n;
-      float* o = op + t * n;
-#pragma omp simd
-      for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
-    }
+    for (int64_t t = b; t < e; t++) silu_and_mul_row(xp + t * xs, xp + t * xs + n, n, op + t * n);
   });
   return out;
 }
 
-// In place on qkv [T, H + 2*Hkv, D] (rows contiguous): rotate the H query and
-// Hkv key heads by their position (HF's rotate_half convention; cos/sin are
-// tandem's [P, D] tables, cos = [c, c], sin = [-s, s]); then write each
-// token's K and V to its cache slot: dense cache [S, 2, Hkv, D] of the qkv
-// dtype, or int8 [S, 2, Hkv, D] plus fp32 scale [S, 2, Hkv, 1].
+// RoPE on one token's H query and Hkv key heads, in place (row x is its
+// [H + 2 Hkv, D] qkv; HF's rotate_half convention; cos/sin are tandem's
+// [P, D] tables, cos = [c, c], sin = [-s, s]), then its K and V heads into
+// cache slot `slot`: a dense cache [S, 2, Hkv, D] of float, or int8 plus an
+// fp32 scale per token and head [S, 2, Hkv, 1] (cache_s non-null).
+struct RopeAndCache {
+  const float* cos;
+  const float* sin;
+  int64_t num_heads, hkv, D;
+  float* cache_f;
+  int8_t* cache_q;
+  float* cache_s;
+
+  void token(float* x, int64_t pos, int64_t slot) const {
+    const int64_t half = D / 2;
+    const float* c = cos + pos * D;
+    const float* s = sin + pos * D + half;  // +sin
+    for (int64_t h = 0; h < num_heads + hkv; h++) {
+      float* a = x + h * D;
+      float* y = a + half;
+#pragma omp simd
+      for (int64_t i = 0; i < half; i++) {
+        const float x1 = a[i], x2 = y[i];
+        a[i] = x1 * c[i] - x2 * s[i];
+        y[i] = x2 * c[i] + x1 * s[i];
+      }
+    }
+    const float* kv = x + num_heads * D;  // K heads then V heads: [2, Hkv, D]
+    if (!cache_s) {
+      std::memcpy(cache_f + slot * 2 * hkv * D, kv, 2 * hkv * D * sizeof(float));
+      return;
+    }
+    int8_t* qd = cache_q + slot * 2 * hkv * D;
+    float* sd = cache_s + slot * 2 * hkv;
+    for (int64_t h = 0; h < 2 * hkv; h++) {
+      const float* src = kv + h * D;
+      float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+      for (int64_t i = 0; i < D; i++) amax = std::max(amax, std::fabs(src[i]));
+      const float scale = std::max(amax, 1e-8f) / 127.0f;
+      sd[h] = scale;
+      for (int64_t i = 0; i < D; i++)
+        qd[h * D + i] = static_cast<int8_t>(std::nearbyint(src[i] / scale));
+    }
+  }
+};
+
+// Checks one layer's cache (and scales, for the int8 kind) and points a
+// RopeAndCache at it.
+inline void bind_cache(RopeAndCache& r, const at::Tensor& cache,
+                       const std::optional<at::Tensor>& cache_scale) {
+  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 4, "cache must be a contiguous [S, 2, Hkv, D]");
+  const bool int8 = cache_scale.has_value();
+  TORCH_CHECK(int8 ? cache.scalar_type() == at::kChar : cache.scalar_type() == at::kFloat,
+              "cache dtype does not match its kind");
+  TORCH_CHECK(!int8 || (cache_scale->is_contiguous() && cache_scale->scalar_type() == at::kFloat),
+              "cache scales must be contiguous float32");
+  r.cache_f = int8 ? nullptr : cache.data_ptr<float>();
+  r.cache_q = int8 ? cache.data_ptr<int8_t>() : nullptr;
+  r.cache_s = int8 ? cache_scale->data_ptr<float>() : nullptr;
+}
+
+// In place on qkv [T, H + 2*Hkv, D] (rows contiguous): RopeAndCache for
+// every token.
 void rotary_embedding_and_cache(const at::Tensor& qkv, const at::Tensor& positions,
                                 const at::Tensor& cos, const at::Tensor& sin,
                                 int64_t num_heads, int64_t num_kv_heads, const at::Tensor& cache,
@@ -68,54 +128,15 @@ void rotary_embedding_and_cache(const at::Tensor& qkv, const at::Tensor& positio
   TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong,
               "positions and slots must be int64");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "rope tables must be contiguous");
-  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 4, "cache must be a contiguous [S, 2, Hkv, D]");
-  const int64_t T = qkv.size(0), D = qkv.size(2), half = D / 2, hkv = num_kv_heads;
-  const int64_t rot_heads = num_heads + num_kv_heads;
-  const bool int8 = cache_scale.has_value();
-  TORCH_CHECK(int8 ? cache.scalar_type() == at::kChar : cache.scalar_type() == at::kFloat,
-              "cache dtype does not match its kind");
+  const int64_t T = qkv.size(0), D = qkv.size(2);
+  RopeAndCache r{cos.data_ptr<float>(), sin.data_ptr<float>(), num_heads, num_kv_heads, D};
+  bind_cache(r, cache, cache_scale);
   float* qp = qkv.data_ptr<float>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  float* cache_f = int8 ? nullptr : cache.data_ptr<float>();
-  int8_t* cache_q = int8 ? cache.data_ptr<int8_t>() : nullptr;
-  float* cache_s = int8 ? cache_scale->data_ptr<float>() : nullptr;
-  const int64_t row = (num_heads + 2 * hkv) * D;
+  const int64_t row = (num_heads + 2 * num_kv_heads) * D;
   at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; t++) {
-      float* x = qp + t * row;
-      const float* c = cp + pos[t] * D;
-      const float* s = sp + pos[t] * D + half;  // +sin
-      for (int64_t h = 0; h < rot_heads; h++) {
-        float* a = x + h * D;
-        float* y = a + half;
-#pragma omp simd
-        for (int64_t i = 0; i < half; i++) {
-          const float x1 = a[i], x2 = y[i];
-          a[i] = x1 * c[i] - x2 * s[i];
-          y[i] = x2 * c[i] + x1 * s[i];
-        }
-      }
-      const float* kv = x + num_heads * D;  // K heads then V heads: [2, Hkv, D]
-      if (!int8) {
-        std::memcpy(cache_f + slot[t] * 2 * hkv * D, kv, 2 * hkv * D * sizeof(float));
-        continue;
-      }
-      int8_t* qd = cache_q + slot[t] * 2 * hkv * D;
-      float* sd = cache_s + slot[t] * 2 * hkv;
-      for (int64_t h = 0; h < 2 * hkv; h++) {
-        const float* src = kv + h * D;
-        float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-        for (int64_t i = 0; i < D; i++) amax = std::max(amax, std::fabs(src[i]));
-        const float scale = std::max(amax, 1e-8f) / 127.0f;
-        sd[h] = scale;
-        for (int64_t i = 0; i < D; i++)
-          qd[h * D + i] = static_cast<int8_t>(std::nearbyint(src[i] / scale));
-      }
-    }
+    for (int64_t t = b; t < e; t++) r.token(qp + t * row, pos[t], slot[t]);
   });
 }
 

@@ -15,6 +15,7 @@ import torch
 from tandem.engine.request import Request
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.model.attention import AttentionMetadata, build_group
+from tandem.model.decode_step import DecodeStep
 from tandem.model.kv_cache import KVCache, kv_cache_class
 from tandem.model.llama import LlamaModel
 from tandem.model.sampler import Sampler, SamplingMetadata
@@ -56,6 +57,8 @@ class ModelRunner:
         self.device = model.device
         self.vocab_size = model.cfg.vocab_size
         self.sampler = Sampler()
+        self.decode_step = DecodeStep(model, kv_caches, block_size) if DecodeStep.supports(
+            model) else None
 
     def _slots(self, req: Request, start: int, n: int) -> torch.Tensor:
         bs = self.block_size
@@ -120,7 +123,11 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         input_ids, positions, meta, logits_idx, sample_reqs = self.prepare(out)
-        logits = self.model.forward(input_ids, positions, self.kv_caches, meta, logits_idx)
+        if (self.decode_step is not None and meta.prefill is None
+                and len(sample_reqs) == input_ids.shape[0]):  # every sequence decodes, samples
+            logits = self.decode_step(input_ids, positions, meta)
+        else:
+            logits = self.model.forward(input_ids, positions, self.kv_caches, meta, logits_idx)
         if logits is None:
             return ModelRunnerOutput([], [])
         smeta = SamplingMetadata.build(

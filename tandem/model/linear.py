@@ -39,22 +39,25 @@ INT4_GROUP_SIZE = 32
 
 class DenseLinear:
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.wt = w.t().contiguous()  # [in, out]: x @ wt is the faster layout for skinny x
+        # HF's [out, in], kept as is: a tied LM head shares the embedding's
+        # storage, and tandem's fused decode step (tandem.model.decode_step)
+        # streams it row by row.
+        self.w = w
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None:
-            return torch.mm(x, self.wt)
-        return torch.addmm(self.bias, x, self.wt)
+            return torch.mm(x, self.w.t())
+        return torch.addmm(self.bias, x, self.w.t())
 
     def add(self, res: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None:
-            return torch.addmm(res, x, self.wt)
+            return torch.addmm(res, x, self.w.t())
         return res + self(x)
 
     @property
     def nbytes(self) -> int:
-        n = self.wt.numel() * self.wt.element_size()
+        n = self.w.numel() * self.w.element_size()
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
 

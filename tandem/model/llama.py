@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tandem import _custom_ops
 from tandem.model.attention import AttentionMetadata, paged_attention
 from tandem.model.kv_cache import KVCache
-from tandem.model.linear import Linear
+from tandem.model.linear import DenseLinear, Linear
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -140,7 +140,7 @@ class LlamaModel:
         self.scale = self.d**-0.5
         self.embed = weights["embed"]  # [vocab, hidden]
         self.norm = weights["norm"]
-        self.lm_head: Linear = weights["lm_head"]
+        self.lm_head: DenseLinear = weights["lm_head"]  # dense: it decides every token
         self.layers = [Layer(w) for w in weights["layers"]]
         dev, dt = self.embed.device, self.embed.dtype
         pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)
@@ -213,11 +213,13 @@ class LlamaModel:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the weights occupy (a tied LM head is a transposed copy: counted)."""
+        """Bytes the weights occupy (a tied LM head is the embedding itself)."""
         norms = self.norm.numel() + sum(
             layer.input_norm.numel() + layer.post_norm.numel() for layer in self.layers
         )
-        return self.weight_bytes + (self.embed.numel() + norms) * self.embed.element_size()
+        tied = self.lm_head.w.data_ptr() == self.embed.data_ptr()
+        embed = 0 if tied else self.embed.numel()
+        return self.weight_bytes + (embed + norms) * self.embed.element_size()
 
     @property
     def weight_bytes(self) -> int:

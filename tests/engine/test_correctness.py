@@ -6,6 +6,8 @@ import pytest
 
 from tandem import LLM, SamplingParams
 
+from .cpu_paths import CPU_PATHS, cpu_path
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -45,19 +47,14 @@ def test_single_request_matches_hf(llm, hf_greedy):
     assert m.prefill_s > 0 and m.queued_s >= 0
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-kernels", "torch-reference"])
-def test_eight_concurrent_requests_match_hf(llm, hf_greedy, fused):
-    """Both the fused CPU kernels and the torch paths they replace (used where
-    the kernels cannot be built) match HF."""
-    model = llm.engine.model
-    assert model.fused  # built here (tests/unit/test_custom_ops.py says why if not)
-    model.fused = fused
-    try:
+@pytest.mark.parametrize("path", CPU_PATHS)
+def test_eight_concurrent_requests_match_hf(llm, hf_greedy, path):
+    """The one-call decode step, the per-op kernels and the torch paths they
+    replace (used where the kernels cannot be built) all match HF."""
+    with cpu_path(llm.engine, path):
         prompts_ids = [ids_of(llm, p) for p in PROMPTS]
         params = [SamplingParams(temperature=0, max_tokens=n) for n in MAX_TOKENS]
         outs = llm.generate(prompts_ids, params)
-    finally:
-        model.fused = True
     check(outs, prompts_ids, MAX_TOKENS, hf_greedy)
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_blocks
 

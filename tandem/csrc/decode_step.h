@@ -1,0 +1,204 @@
+// A whole decode step of an fp32 Llama-family model on CPU in one call:
+// embedding rows, every layer, the final norm and the LM head.
+//
+// Decode at small batch is bound by reading the weights (~538 MB per token for
+// the default model), but a step driven from Python, one aten op after another,
+// also leaves memory idle: ~10 op dispatches per layer, a thread-team wake-up
+// per op, and MKL's ramp-up at the start of each small matmul (at batch 1
+// about 3.5 ms of a 22 ms step). Here one OpenMP team runs the whole step:
+// each matmul's outputs are split across the threads (tandem::matvec, which
+// streams W at about the machine's read bandwidth), the glue in between is a
+// few microseconds, and the threads meet at a barrier only where the next
+// stage needs every thread's outputs.
+//
+// The math is the torch reference path's (tandem/model/llama.py): the same
+// RMSNorm, RoPE, cache write, decode attention and SiLU code as tandem's
+// per-op kernels; only the matmuls sum in a different order than MKL.
+#pragma once
+
+#include <omp.h>
+#include <torch/custom_class.h>
+
+#include "attention.h"
+#include "layer_ops.h"
+#include "matvec.h"
+
+namespace tandem {
+
+struct DecodeStep : torch::CustomClassHolder {
+  // Per layer; qkv_bias, q_norm and k_norm may be empty lists, cache_scales
+  // is empty for a float cache. Matmul weights are [out, in].
+  std::vector<at::Tensor> input_norm, post_norm, qkv, qkv_bias, o, gate_up, down, q_norm, k_norm,
+      caches, cache_scales;
+  at::Tensor embed, norm, lm_head, cos, sin;
+  int64_t H, hkv, D, hidden, inter, vocab, block_size;
+  float eps, scale;
+
+  DecodeStep(at::Tensor embed_, at::Tensor norm_, at::Tensor lm_head_, at::Tensor cos_,
+             at::Tensor sin_, std::vector<at::Tensor> input_norm_,
+             std::vector<at::Tensor> post_norm_, std::vector<at::Tensor> qkv_,
+             std::vector<at::Tensor> qkv_bias_, std::vector<at::Tensor> o_,
+             std::vector<at::Tensor> gate_up_, std::vector<at::Tensor> down_,
+             std::vector<at::Tensor> q_norm_, std::vector<at::Tensor> k_norm_,
+             std::vector<at::Tensor> caches_, std::vector<at::Tensor> cache_scales_,
+             int64_t num_heads, int64_t block_size_, double eps_)
+      : input_norm(std::move(input_norm_)), post_norm(std::move(post_norm_)),
+        qkv(std::move(qkv_)), qkv_bias(std::move(qkv_bias_)), o(std::move(o_)),
+        gate_up(std::move(gate_up_)), down(std::move(down_)), q_norm(std::move(q_norm_)),
+        k_norm(std::move(k_norm_)), caches(std::move(caches_)),
+        cache_scales(std::move(cache_scales_)), embed(std::move(embed_)), norm(std::move(norm_)),
+        lm_head(std::move(lm_head_)), cos(std::move(cos_)), sin(std::move(sin_)), H(num_heads),
+        block_size(block_size_), eps(static_cast<float>(eps_)) {
+    const size_t L = qkv.size();
+    TORCH_CHECK(L > 0 && input_norm.size() == L && post_norm.size() == L && o.size() == L &&
+                    gate_up.size() == L && down.size() == L && caches.size() == L,
+                "DecodeStep: every per-layer list needs one tensor per layer");
+    TORCH_CHECK((qkv_bias.empty() || qkv_bias.size() == L) && q_norm.size() == k_norm.size() &&
+                    (q_norm.empty() || q_norm.size() == L) &&
+                    (cache_scales.empty() || cache_scales.size() == L),
+                "DecodeStep: optional per-layer lists must be empty or one per layer");
+    hidden = embed.size(1);
+    vocab = lm_head.size(0);
+    hkv = caches[0].size(2);
+    D = caches[0].size(3);
+    inter = gate_up[0].size(0) / 2;
+    scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+    const int64_t qkv_n = (H + 2 * hkv) * D;
+    auto dense = [](const at::Tensor& t, int64_t rows, int64_t cols, const char* name) {
+      TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                      t.dim() == (cols ? 2 : 1) && t.size(0) == rows &&
+                      (!cols || t.size(1) == cols),
+                  "DecodeStep: ", name, " must be a contiguous float32 CPU tensor of the "
+                  "model's shape");
+    };
+    dense(embed, embed.size(0), hidden, "embed");
+    dense(norm, hidden, 0, "norm");
+    dense(lm_head, vocab, hidden, "lm_head");
+    dense(cos, cos.size(0), D, "cos");
+    dense(sin, cos.size(0), D, "sin");
+    for (size_t l = 0; l < L; l++) {
+      dense(input_norm[l], hidden, 0, "input_norm");
+      dense(post_norm[l], hidden, 0, "post_norm");
+      dense(qkv[l], qkv_n, hidden, "qkv");
+      if (!qkv_bias.empty()) dense(qkv_bias[l], qkv_n, 0, "qkv_bias");
+      dense(o[l], hidden, H * D, "o");
+      dense(gate_up[l], 2 * inter, hidden, "gate_up");
+      dense(down[l], hidden, inter, "down");
+      if (!q_norm.empty()) {
+        dense(q_norm[l], D, 0, "q_norm");
+        dense(k_norm[l], D, 0, "k_norm");
+      }
+      RopeAndCache check{};
+      bind_cache(check, caches[l],
+                 cache_scales.empty() ? std::optional<at::Tensor>() : cache_scales[l]);
+      TORCH_CHECK(caches[l].size(2) == hkv && caches[l].size(3) == D,
+                  "DecodeStep: every layer's cache must have the same heads");
+    }
+  }
+
+  // input_ids, positions, slots: [B] int64; block_tables [B, nb] and
+  // context_lens [B] int32 (the context includes the new token). Writes the
+  // new K/V to the caches; returns the logits [B, vocab].
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions,
+                     const at::Tensor& slots, const at::Tensor& block_tables,
+                     const at::Tensor& context_lens) {
+    TORCH_CHECK(input_ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
+                    slots.scalar_type() == at::kLong && input_ids.is_contiguous() &&
+                    positions.is_contiguous() && slots.is_contiguous(),
+                "input_ids, positions and slots must be contiguous int64");
+    const int64_t B = input_ids.numel();
+    TORCH_CHECK(B > 0 && positions.numel() == B && slots.numel() == B,
+                "input_ids, positions and slots must have one entry per sequence");
+    const int64_t* ids = input_ids.data_ptr<int64_t>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const int64_t num_slots = caches[0].size(0);
+    for (int64_t b = 0; b < B; b++)
+      TORCH_CHECK(ids[b] >= 0 && ids[b] < embed.size(0) && pos[b] >= 0 && pos[b] < cos.size(0) &&
+                      slot[b] >= 0 && slot[b] < num_slots,
+                  "token id, position or slot out of range");
+    const int64_t qkv_n = (H + 2 * hkv) * D, threads = at::get_num_threads();
+    std::vector<float> x(B * hidden), xn(threads * B * hidden), qkv_out(B * qkv_n),
+        attn(B * H * D), gu(B * 2 * inter), act(B * inter);
+    auto att = decode_attention(qkv_out.data(), qkv_n, D, B, H, hkv, D, block_tables,
+                                context_lens, block_size, scale);
+    const int64_t max_blocks = num_slots / block_size;
+    for (int64_t i = 0; i < block_tables.numel(); i++)
+      TORCH_CHECK(att.tables[i] >= 0 && att.tables[i] < max_blocks, "block id out of range");
+    for (int64_t b = 0; b < B; b++)
+      TORCH_CHECK(att.lens[b] >= 1 && att.lens[b] <= att.nb * block_size,
+                  "context length out of range of its block table");
+    att.plan(threads);
+    std::vector<float> part(att.partial_floats());
+    auto logits = at::empty({B, vocab}, embed.options());
+    float* out = logits.data_ptr<float>();
+    for (int64_t b = 0; b < B; b++)
+      std::memcpy(x.data() + b * hidden, embed.data_ptr<float>() + ids[b] * hidden,
+                  hidden * sizeof(float));
+    RopeAndCache rope{cos.data_ptr<float>(), sin.data_ptr<float>(), H, hkv, D};
+
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+      float* xt = xn.data() + t * B * hidden;  // this thread's normed copy: no barrier to share it
+      std::vector<float> buf;
+      // Every thread normalizes all rows into its own buffer (a few hundred
+      // floats each) instead of waiting for one thread to share them.
+      auto normed = [&](const at::Tensor& w) {
+        for (int64_t b = 0; b < B; b++)
+          rms_norm_row(x.data() + b * hidden, w.data_ptr<float>(), hidden, eps, xt + b * hidden);
+      };
+      for (size_t l = 0; l < qkv.size(); l++) {
+        normed(input_norm[l]);
+        auto [q0, q1] = share(qkv_n, t, nt);
+        matvec(qkv[l].data_ptr<float>(), hidden, xt, hidden, B, q0, q1,
+               qkv_bias.empty() ? nullptr : qkv_bias[l].data_ptr<float>(), false, qkv_out.data(),
+               qkv_n);
+#pragma omp barrier
+        RopeAndCache r = rope;
+        const float* sc = cache_scales.empty() ? nullptr : cache_scales[l].data_ptr<float>();
+        r.cache_f = sc ? nullptr : caches[l].data_ptr<float>();
+        r.cache_q = sc ? caches[l].data_ptr<int8_t>() : nullptr;
+        r.cache_s = const_cast<float*>(sc);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+          float* row = qkv_out.data() + b * qkv_n;
+          if (!q_norm.empty()) {  // Qwen3: RMSNorm per query and key head before RoPE
+            for (int64_t h = 0; h < H + hkv; h++)
+              rms_norm_row(row + h * D, (h < H ? q_norm : k_norm)[l].data_ptr<float>(), D, eps,
+                           row + h * D);
+          }
+          r.token(row, pos[b], slot[b]);
+        }
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < att.items; w++)
+          att.run_item(w, caches[l].data_ptr(), sc, part.data(), buf);
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < B * att.kv_items; s++) att.merge(s, part.data(), attn.data());
+        auto [h0, h1] = share(hidden, t, nt);
+        matvec(o[l].data_ptr<float>(), H * D, attn.data(), H * D, B, h0, h1, nullptr, true,
+               x.data(), hidden);
+#pragma omp barrier
+        normed(post_norm[l]);
+        auto [i0, i1] = share(inter, t, nt);  // gate rows [i0, i1) and their up rows
+        const float* gw = gate_up[l].data_ptr<float>();
+        matvec(gw, hidden, xt, hidden, B, i0, i1, nullptr, false, gu.data(), 2 * inter);
+        matvec(gw, hidden, xt, hidden, B, inter + i0, inter + i1, nullptr, false, gu.data(),
+               2 * inter);
+        for (int64_t b = 0; b < B; b++)
+          silu_and_mul_row(gu.data() + b * 2 * inter + i0, gu.data() + b * 2 * inter + inter + i0,
+                           i1 - i0, act.data() + b * inter + i0);
+#pragma omp barrier
+        matvec(down[l].data_ptr<float>(), inter, act.data(), inter, B, h0, h1, nullptr, true,
+               x.data(), hidden);
+#pragma omp barrier
+      }
+      normed(norm);
+      auto [v0, v1] = share(vocab, t, nt);
+      matvec(lm_head.data_ptr<float>(), hidden, xt, hidden, B, v0, v1, nullptr, false, out, vocab);
+    }
+    return logits;
+  }
+};
+
+}  // namespace tandem

@@ -1,0 +1,67 @@
+"""The one-call C++ decode step against the per-op forward on the same batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.sampling_params import SamplingParams
+
+from .test_architectures import hf_model
+
+
+class CheckedStep:
+    """Runs LlamaModel.forward, then the decode step, on every decode batch and
+    compares their logits (the step rewrites the same K/V slots)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.step, self.model, self.caches = engine.runner.decode_step, engine.model, engine.kv_caches
+        self.batches: list[int] = []
+
+    def __call__(self, input_ids, positions, meta):
+        rows = torch.arange(input_ids.shape[0])
+        want = self.model.forward(input_ids, positions, self.caches, meta, rows)
+        got = self.step(input_ids, positions, meta)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        self.batches.append(input_ids.shape[0])
+        return got
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_decode_step_matches_forward(arch, kv_cache_dtype, tmp_path):
+    hf_model(arch, max_position_embeddings=1024).save_pretrained(tmp_path)
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), skip_tokenizer_init=True,
+                                    kv_cache_memory="8MiB", kv_cache_dtype=kv_cache_dtype,
+                                    max_num_batched_tokens=1024))
+    checked = CheckedStep(engine)
+    assert checked.step is not None
+    engine.runner.decode_step = checked
+    # Seven sequences finishing one step apart: decode batches of 7 down to 1
+    # (whole-sequence and per-head attention items); one context long enough
+    # for the attention to split it across threads.
+    lens = [3, 17, 40, 64, 5, 90, 600]
+    for i, n in enumerate(lens):
+        prompt = [(7 * i + j) % 90 + 3 for j in range(n)]
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=i + 2,
+                                                   ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert set(checked.batches) == set(range(1, 8))
+
+
+def test_decode_step_rejects_out_of_range_inputs(tmp_path):
+    hf_model("llama").save_pretrained(tmp_path)
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), skip_tokenizer_init=True,
+                                    kv_cache_memory="8MiB"))
+    step = engine.runner.decode_step._step
+    one = torch.zeros(1, dtype=torch.long)
+    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="out of range"):
+        step.forward(torch.tensor([10**6]), one, one, table, lens)
+    with pytest.raises(RuntimeError, match="out of range"):
+        step.forward(one, one, one, table, torch.tensor([99], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="int64"):
+        step.forward(one.int(), one, one, table, lens)
