@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
+
+from tandem import _custom_ops
+from tandem.model.hugepages import HugePageArena
 
 
 def set_threads(n: int = 2) -> None:
@@ -12,19 +16,27 @@ def set_threads(n: int = 2) -> None:
 
 
 def read_bandwidth_gbs(mib: int = 1024, repeats: int = 5) -> float:
-    """This machine's memory read bandwidth, the stricter of two probes.
+    """This machine's memory read bandwidth, the best of several probes.
 
-    A full reduction and a matrix-vector product over a tensor far larger than
-    any cache; the higher figure is taken, so a ceiling computed from it is not
-    flattered by a slow probe (sum() read ~22 GB/s here where a GEMV read ~30).
+    Over a tensor far larger than any cache, in torch's memory and in huge
+    pages (where tandem keeps CPU weights, tandem.model.hugepages): a full
+    reduction, MKL's matrix-vector product and tandem's own (the decode step's
+    matmul, torch.ops.tandem.matvec, when built). The highest figure is taken,
+    so a ceiling computed from it is not flattered by a slow probe (here sum()
+    read ~22 GB/s, MKL's GEMV ~30-31, tandem's ~32 in huge pages).
     """
-    w = torch.ones(mib * 2**20 // 4 // 1024, 1024, dtype=torch.float32)
+    plain = torch.ones(mib * 2**20 // 4 // 1024, 1024, dtype=torch.float32)
     x = torch.ones(1, 1024)
+    probes = []
+    for w in (plain, HugePageArena().copy(plain)):
+        probes += [w.sum, functools.partial(torch.mm, x, w.t())]
+        if _custom_ops.AVAILABLE:
+            probes.append(functools.partial(torch.ops.tandem.matvec, x, w, None))
     best = float("inf")
-    for probe in (lambda: w.sum(), lambda: torch.mm(x, w.t())):
+    for probe in probes:
         probe()
         for _ in range(repeats):
             t = time.perf_counter()
             probe()
             best = min(best, time.perf_counter() - t)
-    return w.numel() * 4 / best / 1e9
+    return plain.numel() * 4 / best / 1e9

@@ -242,7 +242,10 @@ struct DecodeAttention {
   BlockKernels<float> kf;
   BlockKernels<int8_t> k8;
 
-  void plan(int64_t threads) {
+  // min_split_tokens: the shortest context range worth its own item (and its
+  // merge); a team already awake can afford shorter ones than a pool woken
+  // per call.
+  void plan(int64_t threads, int64_t min_split_tokens = 256) {
     kf = pick_kernels<float>(group, D);
     k8 = pick_kernels<int8_t>(group, D);
     heads_per_item = B >= 2 * threads ? hkv : 1;
@@ -253,10 +256,9 @@ struct DecodeAttention {
       total_ctx += lens[b];
       max_ctx = std::max<int64_t>(max_ctx, lens[b]);
     }
-    constexpr int64_t kMinSplitTokens = 256;
     splits = 1;
     if (heads_per_item == 1) {  // about 4 items per thread, a multiple of the threads
-      const int64_t most = std::max<int64_t>(1, max_ctx / kMinSplitTokens);
+      const int64_t most = std::max<int64_t>(1, max_ctx / min_split_tokens);
       splits = std::min(most, (4 * threads + B * kv_items - 1) / (B * kv_items));
       while (splits < most && (B * kv_items * splits) % threads) splits++;
     }

@@ -39,6 +39,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def(
       "paged_attention_decode(Tensor q, Tensor cache, Tensor? cache_scale, Tensor block_tables, "
       "Tensor context_lens, int block_size, float scale) -> Tensor");
+  m.def("matvec(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor lo) -> Tensor");
   using TensorList = std::vector<at::Tensor>;
   m.class_<tandem::DecodeStep>("DecodeStep")
@@ -56,6 +57,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("silu_and_mul", &tandem::silu_and_mul);
   m.impl("rotary_embedding_and_cache", &tandem::rotary_embedding_and_cache);
   m.impl("paged_attention_decode", &tandem::paged_attention_decode);
+  m.impl("matvec", &tandem::matvec_op);
   m.impl("int4_linear", &tandem::int4_linear);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.impl("int8_linear", &tandem::int8_linear);

@@ -26,6 +26,10 @@
 namespace tandem {
 
 struct DecodeStep : torch::CustomClassHolder {
+  // Attention splits a context into ranges of at least this many tokens
+  // (the team is awake: a short range costs only its merge).
+  static constexpr int64_t kMinSplitTokens = 64;
+
   // Per layer; qkv_bias, q_norm and k_norm may be empty lists, cache_scales
   // is empty for a float cache. Matmul weights are [out, in].
   std::vector<at::Tensor> input_norm, post_norm, qkv, qkv_bias, o, gate_up, down, q_norm, k_norm,
@@ -98,8 +102,11 @@ struct DecodeStep : torch::CustomClassHolder {
 
   // input_ids, positions, slots: [B] int64; block_tables [B, nb] and
   // context_lens [B] int32 (the context includes the new token). Writes the
-  // new K/V to the caches; returns the logits [B, vocab].
-  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions,
+  // new K/V to the caches; returns the logits [B, vocab] and each row's
+  // argmax [B] (int64, the first index on ties): greedy sampling with no
+  // torch op after the step, whose first ops run on caches the weights have
+  // just swept (~0.3 ms for the sampler's few ops at batch 1).
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& input_ids, const at::Tensor& positions,
                      const at::Tensor& slots, const at::Tensor& block_tables,
                      const at::Tensor& context_lens) {
     TORCH_CHECK(input_ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
@@ -119,7 +126,7 @@ struct DecodeStep : torch::CustomClassHolder {
                   "token id, position or slot out of range");
     const int64_t qkv_n = (H + 2 * hkv) * D, threads = at::get_num_threads();
     std::vector<float> x(B * hidden), xn(threads * B * hidden), qkv_out(B * qkv_n),
-        attn(B * H * D), gu(B * 2 * inter), act(B * inter);
+        attn(threads * B * H * D), gu(B * 2 * inter), act(B * inter);
     auto att = decode_attention(qkv_out.data(), qkv_n, D, B, H, hkv, D, block_tables,
                                 context_lens, block_size, scale);
     const int64_t max_blocks = num_slots / block_size;
@@ -128,59 +135,69 @@ struct DecodeStep : torch::CustomClassHolder {
     for (int64_t b = 0; b < B; b++)
       TORCH_CHECK(att.lens[b] >= 1 && att.lens[b] <= att.nb * block_size,
                   "context length out of range of its block table");
-    att.plan(threads);
+    att.plan(threads, kMinSplitTokens);
     std::vector<float> part(att.partial_floats());
+    std::vector<float> best_v(threads * B, -INFINITY);
+    std::vector<int64_t> best_i(threads * B, -1);
     auto logits = at::empty({B, vocab}, embed.options());
     float* out = logits.data_ptr<float>();
     for (int64_t b = 0; b < B; b++)
       std::memcpy(x.data() + b * hidden, embed.data_ptr<float>() + ids[b] * hidden,
                   hidden * sizeof(float));
-    RopeAndCache rope{cos.data_ptr<float>(), sin.data_ptr<float>(), H, hkv, D};
 
+    // Five barriers per layer, each where a stage needs every thread's
+    // outputs: after Q/K/V (attention reads all heads), after attention,
+    // after o_proj and after gate/up (their matmuls read the whole hidden
+    // and intermediate rows), after down_proj.
 #pragma omp parallel num_threads(threads)
     {
       const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-      float* xt = xn.data() + t * B * hidden;  // this thread's normed copy: no barrier to share it
+      // This thread's copies of the normed rows and the attention output:
+      // every thread computes them in full (a few hundred floats a row)
+      // rather than wait at a barrier for one thread to share them.
+      float* xt = xn.data() + t * B * hidden;
+      float* attn_t = attn.data() + t * B * H * D;
       std::vector<float> buf;
-      // Every thread normalizes all rows into its own buffer (a few hundred
-      // floats each) instead of waiting for one thread to share them.
       auto normed = [&](const at::Tensor& w) {
         for (int64_t b = 0; b < B; b++)
           rms_norm_row(x.data() + b * hidden, w.data_ptr<float>(), hidden, eps, xt + b * hidden);
       };
+      // Q/K/V by whole heads, so this thread also norms (Qwen3), rotates and
+      // caches the heads it computed.
+      const auto [head0, head1] = share(H + 2 * hkv, t, nt, 1);
+      const auto [h0, h1] = share(hidden, t, nt);
+      const auto [i0, i1] = share(inter, t, nt);  // gate rows [i0, i1) and their up rows
+      const auto [v0, v1] = share(vocab, t, nt);
       for (size_t l = 0; l < qkv.size(); l++) {
+        const float* sc = cache_scales.empty() ? nullptr : cache_scales[l].data_ptr<float>();
+        RopeAndCache rope{cos.data_ptr<float>(), sin.data_ptr<float>(), H, hkv, D,
+                          sc ? nullptr : caches[l].data_ptr<float>(),
+                          sc ? caches[l].data_ptr<int8_t>() : nullptr, const_cast<float*>(sc)};
         normed(input_norm[l]);
-        auto [q0, q1] = share(qkv_n, t, nt);
-        matvec(qkv[l].data_ptr<float>(), hidden, xt, hidden, B, q0, q1,
+        matvec(qkv[l].data_ptr<float>(), hidden, xt, hidden, B, head0 * D, head1 * D,
                qkv_bias.empty() ? nullptr : qkv_bias[l].data_ptr<float>(), false, qkv_out.data(),
                qkv_n);
-#pragma omp barrier
-        RopeAndCache r = rope;
-        const float* sc = cache_scales.empty() ? nullptr : cache_scales[l].data_ptr<float>();
-        r.cache_f = sc ? nullptr : caches[l].data_ptr<float>();
-        r.cache_q = sc ? caches[l].data_ptr<int8_t>() : nullptr;
-        r.cache_s = const_cast<float*>(sc);
-#pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++) {
           float* row = qkv_out.data() + b * qkv_n;
-          if (!q_norm.empty()) {  // Qwen3: RMSNorm per query and key head before RoPE
-            for (int64_t h = 0; h < H + hkv; h++)
-              rms_norm_row(row + h * D, (h < H ? q_norm : k_norm)[l].data_ptr<float>(), D, eps,
-                           row + h * D);
+          for (int64_t h = head0; h < head1; h++) {
+            float* head = row + h * D;
+            if (h < H + hkv) {
+              if (!q_norm.empty())  // Qwen3: RMSNorm per query and key head before RoPE
+                rms_norm_row(head, (h < H ? q_norm : k_norm)[l].data_ptr<float>(), D, eps, head);
+              rope.rotate(head, pos[b]);
+            }
+            if (h >= H) rope.store(head, slot[b], h - H);
           }
-          r.token(row, pos[b], slot[b]);
         }
+#pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < att.items; w++)
           att.run_item(w, caches[l].data_ptr(), sc, part.data(), buf);
-#pragma omp for schedule(static)
-        for (int64_t s = 0; s < B * att.kv_items; s++) att.merge(s, part.data(), attn.data());
-        auto [h0, h1] = share(hidden, t, nt);
-        matvec(o[l].data_ptr<float>(), H * D, attn.data(), H * D, B, h0, h1, nullptr, true,
-               x.data(), hidden);
+        for (int64_t s = 0; s < B * att.kv_items; s++) att.merge(s, part.data(), attn_t);
+        matvec(o[l].data_ptr<float>(), H * D, attn_t, H * D, B, h0, h1, nullptr, true, x.data(),
+               hidden);
 #pragma omp barrier
         normed(post_norm[l]);
-        auto [i0, i1] = share(inter, t, nt);  // gate rows [i0, i1) and their up rows
         const float* gw = gate_up[l].data_ptr<float>();
         matvec(gw, hidden, xt, hidden, B, i0, i1, nullptr, false, gu.data(), 2 * inter);
         matvec(gw, hidden, xt, hidden, B, inter + i0, inter + i1, nullptr, false, gu.data(),
@@ -194,10 +211,29 @@ struct DecodeStep : torch::CustomClassHolder {
 #pragma omp barrier
       }
       normed(norm);
-      auto [v0, v1] = share(vocab, t, nt);
       matvec(lm_head.data_ptr<float>(), hidden, xt, hidden, B, v0, v1, nullptr, false, out, vocab);
+      for (int64_t b = 0; b < B; b++) {  // this thread's share of each row's argmax
+        const float* row = out + b * vocab;
+        for (int64_t v = v0; v < v1; v++)
+          if (row[v] > best_v[t * B + b]) {
+            best_v[t * B + b] = row[v];
+            best_i[t * B + b] = v;
+          }
+      }
     }
-    return logits;
+    auto argmax = at::empty({B}, input_ids.options());
+    int64_t* am = argmax.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; b++) {  // shares in vocabulary order: ties keep the first
+      int64_t pick = -1;
+      float pv = -INFINITY;
+      for (int64_t t = 0; t < threads; t++)
+        if (best_i[t * B + b] >= 0 && (pick < 0 || best_v[t * B + b] > pv)) {
+          pick = best_i[t * B + b];
+          pv = best_v[t * B + b];
+        }
+      am[b] = pick < 0 ? 0 : pick;  // every logit -inf (or NaN): token 0
+    }
+    return {logits, argmax};
   }
 };
 

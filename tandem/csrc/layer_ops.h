@@ -66,37 +66,38 @@ struct RopeAndCache {
   int8_t* cache_q;
   float* cache_s;
 
-  void token(float* x, int64_t pos, int64_t slot) const {
+  // RoPE on one query or key head (D floats) at position pos.
+  void rotate(float* a, int64_t pos) const {
     const int64_t half = D / 2;
     const float* c = cos + pos * D;
     const float* s = sin + pos * D + half;  // +sin
-    for (int64_t h = 0; h < num_heads + hkv; h++) {
-      float* a = x + h * D;
-      float* y = a + half;
+    float* y = a + half;
 #pragma omp simd
-      for (int64_t i = 0; i < half; i++) {
-        const float x1 = a[i], x2 = y[i];
-        a[i] = x1 * c[i] - x2 * s[i];
-        y[i] = x2 * c[i] + x1 * s[i];
-      }
+    for (int64_t i = 0; i < half; i++) {
+      const float x1 = a[i], x2 = y[i];
+      a[i] = x1 * c[i] - x2 * s[i];
+      y[i] = x2 * c[i] + x1 * s[i];
     }
-    const float* kv = x + num_heads * D;  // K heads then V heads: [2, Hkv, D]
+  }
+
+  // Head j of a token's [2, Hkv] K and V heads (K: j < Hkv) into its slot.
+  void store(const float* src, int64_t slot, int64_t j) const {
+    const int64_t at = (slot * 2 * hkv + j) * D;
     if (!cache_s) {
-      std::memcpy(cache_f + slot * 2 * hkv * D, kv, 2 * hkv * D * sizeof(float));
+      std::memcpy(cache_f + at, src, D * sizeof(float));
       return;
     }
-    int8_t* qd = cache_q + slot * 2 * hkv * D;
-    float* sd = cache_s + slot * 2 * hkv;
-    for (int64_t h = 0; h < 2 * hkv; h++) {
-      const float* src = kv + h * D;
-      float amax = 0.f;
+    float amax = 0.f;
 #pragma omp simd reduction(max : amax)
-      for (int64_t i = 0; i < D; i++) amax = std::max(amax, std::fabs(src[i]));
-      const float scale = std::max(amax, 1e-8f) / 127.0f;
-      sd[h] = scale;
-      for (int64_t i = 0; i < D; i++)
-        qd[h * D + i] = static_cast<int8_t>(std::nearbyint(src[i] / scale));
-    }
+    for (int64_t i = 0; i < D; i++) amax = std::max(amax, std::fabs(src[i]));
+    const float scale = std::max(amax, 1e-8f) / 127.0f;
+    cache_s[slot * 2 * hkv + j] = scale;
+    for (int64_t i = 0; i < D; i++) cache_q[at + i] = static_cast<int8_t>(std::nearbyint(src[i] / scale));
+  }
+
+  void token(float* x, int64_t pos, int64_t slot) const {
+    for (int64_t h = 0; h < num_heads + hkv; h++) rotate(x + h * D, pos);
+    for (int64_t j = 0; j < 2 * hkv; j++) store(x + (num_heads + j) * D, slot, j);
   }
 };
 

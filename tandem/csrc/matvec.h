@@ -96,10 +96,38 @@ inline void matvec(const float* w, int64_t K, const float* x, int64_t xs, int64_
   }
 }
 
-// Thread t's share [begin, end) of n outputs: contiguous, in whole tiles of 4.
-inline std::pair<int64_t, int64_t> share(int64_t n, int64_t t, int64_t threads) {
-  const int64_t tiles = (n + 3) / 4;
-  return {std::min(n, tiles * t / threads * 4), std::min(n, tiles * (t + 1) / threads * 4)};
+// Thread t's share [begin, end) of n outputs: contiguous, in whole units
+// (matvec's tiles of 4, or a head's rows).
+inline std::pair<int64_t, int64_t> share(int64_t n, int64_t t, int64_t threads,
+                                         int64_t unit = 4) {
+  const int64_t units = (n + unit - 1) / unit;
+  return {std::min(n, units * t / threads * unit), std::min(n, units * (t + 1) / threads * unit)};
+}
+
+// x [M, K] @ w [N, K].T (+ bias): tandem::matvec as an op, the threads
+// splitting the outputs as in the decode step (for tests and the benchmarks'
+// memory-bandwidth probe).
+at::Tensor matvec_op(const at::Tensor& x, const at::Tensor& w,
+                     const std::optional<at::Tensor>& bias) {
+  check_float_rows(x, "x");
+  check_float_rows(w, "w");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.is_contiguous() && x.size(1) == w.size(1),
+              "matvec: x must be [M, K] and w a contiguous [N, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  if (bias) {
+    check_float_rows(*bias, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "matvec: bias must be [N]");
+  }
+  auto out = at::empty({M, N}, x.options());
+  const int64_t threads = at::get_num_threads();
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++) {
+      const auto [n0, n1] = share(N, t, threads);
+      matvec(w.data_ptr<float>(), K, x.data_ptr<float>(), x.stride(0), M, n0, n1,
+             bias ? bias->data_ptr<float>() : nullptr, false, out.data_ptr<float>(), N);
+    }
+  });
+  return out;
 }
 
 }  // namespace tandem

@@ -123,9 +123,10 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         input_ids, positions, meta, logits_idx, sample_reqs = self.prepare(out)
+        argmax = None
         if (self.decode_step is not None and meta.prefill is None
                 and len(sample_reqs) == input_ids.shape[0]):  # every sequence decodes, samples
-            logits = self.decode_step(input_ids, positions, meta)
+            logits, argmax = self.decode_step(input_ids, positions, meta)
         else:
             logits = self.model.forward(input_ids, positions, self.kv_caches, meta, logits_idx)
         if logits is None:
@@ -139,6 +140,8 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=self.device,
         )
+        if argmax is not None and smeta.argmax_only:
+            return ModelRunnerOutput(sample_reqs, argmax.tolist())  # the step's one host sync
         so = self.sampler(logits, smeta)
         sampled = so.sampled_token_ids.tolist()  # the step's one host sync
         logprobs = None

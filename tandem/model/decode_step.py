@@ -49,8 +49,10 @@ class DecodeStep:
         )
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
-        """Logits [B, vocab] of B decoding sequences; their new K/V go to the caches."""
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, vocab] of B decoding sequences and each row's argmax (the
+        greedy token, so plain greedy sampling runs no torch op after the step);
+        their new K/V go to the caches."""
         dec = meta.decode
         return self._step.forward(input_ids, positions, meta.slot_mapping, dec.block_table,
                                   dec.context_lens)

@@ -101,6 +101,13 @@ class SamplingMetadata:
     max_num_logprobs: int | None = None
     logprob_rows: torch.Tensor | None = None
 
+    @property
+    def argmax_only(self) -> bool:
+        """Sampling is the argmax of the raw logits: all greedy, nothing to
+        mask, penalize or report."""
+        return (self.all_greedy and self.no_penalties and self.min_tokens_mask is None
+                and self.max_num_logprobs is None)
+
     @classmethod
     def build(
         cls,

@@ -17,16 +17,18 @@ class CheckedStep:
     compares their logits (the step rewrites the same K/V slots)."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.step, self.model, self.caches = engine.runner.decode_step, engine.model, engine.kv_caches
+        self.step, self.model = engine.runner.decode_step, engine.model
+        self.caches = engine.kv_caches
         self.batches: list[int] = []
 
     def __call__(self, input_ids, positions, meta):
         rows = torch.arange(input_ids.shape[0])
         want = self.model.forward(input_ids, positions, self.caches, meta, rows)
-        got = self.step(input_ids, positions, meta)
+        got, argmax = self.step(input_ids, positions, meta)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert argmax.tolist() == got.argmax(-1).tolist()
         self.batches.append(input_ids.shape[0])
-        return got
+        return got, argmax
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
