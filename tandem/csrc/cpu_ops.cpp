@@ -45,7 +45,7 @@ TORCH_LIBRARY(tandem, m) {
   m.class_<tandem::DecodeStep>("DecodeStep")
       .def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, TensorList,
                        TensorList, TensorList, TensorList, TensorList, TensorList, TensorList,
-                       TensorList, TensorList, TensorList, TensorList, int64_t, int64_t, double>())
+                       TensorList, int64_t, int64_t, int64_t, int64_t, double>())
       .def("forward", &tandem::DecodeStep::forward);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.def("int8_linear(Tensor x, Tensor packed, Tensor w_sum, Tensor mult, int N) -> Tensor");

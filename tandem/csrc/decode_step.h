@@ -21,7 +21,7 @@
 
 #include "attention.h"
 #include "layer_ops.h"
-#include "matvec.h"
+#include "step_matmul.h"
 
 namespace tandem {
 
@@ -31,32 +31,36 @@ struct DecodeStep : torch::CustomClassHolder {
   static constexpr int64_t kMinSplitTokens = 64;
 
   // Per layer; qkv_bias, q_norm and k_norm may be empty lists, cache_scales
-  // is empty for a float cache. Matmul weights are [out, in].
-  std::vector<at::Tensor> input_norm, post_norm, qkv, qkv_bias, o, gate_up, down, q_norm, k_norm,
-      caches, cache_scales;
+  // is empty for a float cache.
+  std::vector<at::Tensor> input_norm, post_norm, qkv_bias, q_norm, k_norm, caches, cache_scales;
+  std::vector<StepMatmul> qkv, o, gate_up, down;
   at::Tensor embed, norm, lm_head, cos, sin;
+  WeightKind kind;
   int64_t H, hkv, D, hidden, inter, vocab, block_size;
   float eps, scale;
 
+  // matmuls: per layer qkv, o, gate_up, down, three tensors each (dense:
+  // the [out, in] weight and two unused; int8: packed, w_sum, mult; int4:
+  // packed, scale, lo), all of weight kind `kind`. The LM head is dense.
   DecodeStep(at::Tensor embed_, at::Tensor norm_, at::Tensor lm_head_, at::Tensor cos_,
              at::Tensor sin_, std::vector<at::Tensor> input_norm_,
-             std::vector<at::Tensor> post_norm_, std::vector<at::Tensor> qkv_,
-             std::vector<at::Tensor> qkv_bias_, std::vector<at::Tensor> o_,
-             std::vector<at::Tensor> gate_up_, std::vector<at::Tensor> down_,
-             std::vector<at::Tensor> q_norm_, std::vector<at::Tensor> k_norm_,
-             std::vector<at::Tensor> caches_, std::vector<at::Tensor> cache_scales_,
-             int64_t num_heads, int64_t block_size_, double eps_)
+             std::vector<at::Tensor> post_norm_, std::vector<at::Tensor> matmuls,
+             std::vector<at::Tensor> qkv_bias_, std::vector<at::Tensor> q_norm_,
+             std::vector<at::Tensor> k_norm_, std::vector<at::Tensor> caches_,
+             std::vector<at::Tensor> cache_scales_, int64_t kind_, int64_t num_heads,
+             int64_t intermediate_size, int64_t block_size_, double eps_)
       : input_norm(std::move(input_norm_)), post_norm(std::move(post_norm_)),
-        qkv(std::move(qkv_)), qkv_bias(std::move(qkv_bias_)), o(std::move(o_)),
-        gate_up(std::move(gate_up_)), down(std::move(down_)), q_norm(std::move(q_norm_)),
-        k_norm(std::move(k_norm_)), caches(std::move(caches_)),
-        cache_scales(std::move(cache_scales_)), embed(std::move(embed_)), norm(std::move(norm_)),
-        lm_head(std::move(lm_head_)), cos(std::move(cos_)), sin(std::move(sin_)), H(num_heads),
-        block_size(block_size_), eps(static_cast<float>(eps_)) {
-    const size_t L = qkv.size();
-    TORCH_CHECK(L > 0 && input_norm.size() == L && post_norm.size() == L && o.size() == L &&
-                    gate_up.size() == L && down.size() == L && caches.size() == L,
-                "DecodeStep: every per-layer list needs one tensor per layer");
+        qkv_bias(std::move(qkv_bias_)), q_norm(std::move(q_norm_)), k_norm(std::move(k_norm_)),
+        caches(std::move(caches_)), cache_scales(std::move(cache_scales_)),
+        embed(std::move(embed_)), norm(std::move(norm_)), lm_head(std::move(lm_head_)),
+        cos(std::move(cos_)), sin(std::move(sin_)), kind(static_cast<WeightKind>(kind_)),
+        H(num_heads), inter(intermediate_size), block_size(block_size_),
+        eps(static_cast<float>(eps_)) {
+    const size_t L = caches.size();
+    TORCH_CHECK(kind_ >= 0 && kind_ <= 2, "DecodeStep: unknown weight kind ", kind_);
+    TORCH_CHECK(L > 0 && input_norm.size() == L && post_norm.size() == L &&
+                    matmuls.size() == 12 * L,
+                "DecodeStep: every per-layer list needs one entry per layer (matmuls: 12)");
     TORCH_CHECK((qkv_bias.empty() || qkv_bias.size() == L) && q_norm.size() == k_norm.size() &&
                     (q_norm.empty() || q_norm.size() == L) &&
                     (cache_scales.empty() || cache_scales.size() == L),
@@ -65,9 +69,12 @@ struct DecodeStep : torch::CustomClassHolder {
     vocab = lm_head.size(0);
     hkv = caches[0].size(2);
     D = caches[0].size(3);
-    inter = gate_up[0].size(0) / 2;
     scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-    const int64_t qkv_n = (H + 2 * hkv) * D;
+    const int64_t qkv_n = (H + 2 * hkv) * D, unit = StepMatmul::unit(kind);
+    // Threads split Q/K/V by heads and gate/up by matching rows: both must
+    // fall on whole units of the weight format.
+    TORCH_CHECK(D % unit == 0 && inter % unit == 0,
+                "DecodeStep: head size and intermediate size must be multiples of ", unit);
     auto dense = [](const at::Tensor& t, int64_t rows, int64_t cols, const char* name) {
       TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
                       t.dim() == (cols ? 2 : 1) && t.size(0) == rows &&
@@ -81,13 +88,19 @@ struct DecodeStep : torch::CustomClassHolder {
     dense(cos, cos.size(0), D, "cos");
     dense(sin, cos.size(0), D, "sin");
     for (size_t l = 0; l < L; l++) {
+      const at::Tensor* m = matmuls.data() + 12 * l;
+      auto add = [&](std::vector<StepMatmul>& list, const at::Tensor* t, int64_t N, int64_t K,
+                     const char* name) {
+        list.push_back(StepMatmul{kind, t[0], t[1], t[2], N, K});
+        list.back().check(name);
+      };
+      add(qkv, m, qkv_n, hidden, "qkv");
+      add(o, m + 3, hidden, H * D, "o");
+      add(gate_up, m + 6, 2 * inter, hidden, "gate_up");
+      add(down, m + 9, hidden, inter, "down");
       dense(input_norm[l], hidden, 0, "input_norm");
       dense(post_norm[l], hidden, 0, "post_norm");
-      dense(qkv[l], qkv_n, hidden, "qkv");
       if (!qkv_bias.empty()) dense(qkv_bias[l], qkv_n, 0, "qkv_bias");
-      dense(o[l], hidden, H * D, "o");
-      dense(gate_up[l], 2 * inter, hidden, "gate_up");
-      dense(down[l], hidden, inter, "down");
       if (!q_norm.empty()) {
         dense(q_norm[l], D, 0, "q_norm");
         dense(k_norm[l], D, 0, "k_norm");
@@ -164,19 +177,23 @@ struct DecodeStep : torch::CustomClassHolder {
       };
       // Q/K/V by whole heads, so this thread also norms (Qwen3), rotates and
       // caches the heads it computed.
+      const int64_t unit = StepMatmul::unit(kind);
       const auto [head0, head1] = share(H + 2 * hkv, t, nt, 1);
-      const auto [h0, h1] = share(hidden, t, nt);
-      const auto [i0, i1] = share(inter, t, nt);  // gate rows [i0, i1) and their up rows
+      const auto [h0, h1] = share(hidden, t, nt, unit);
+      const auto [i0, i1] = share(inter, t, nt, unit);  // gate rows [i0, i1) and their up rows
       const auto [v0, v1] = share(vocab, t, nt);
-      for (size_t l = 0; l < qkv.size(); l++) {
+      StepInput in;
+      std::vector<float> tmp;
+      for (size_t l = 0; l < caches.size(); l++) {
         const float* sc = cache_scales.empty() ? nullptr : cache_scales[l].data_ptr<float>();
         RopeAndCache rope{cos.data_ptr<float>(), sin.data_ptr<float>(), H, hkv, D,
                           sc ? nullptr : caches[l].data_ptr<float>(),
                           sc ? caches[l].data_ptr<int8_t>() : nullptr, const_cast<float*>(sc)};
         normed(input_norm[l]);
-        matvec(qkv[l].data_ptr<float>(), hidden, xt, hidden, B, head0 * D, head1 * D,
-               qkv_bias.empty() ? nullptr : qkv_bias[l].data_ptr<float>(), false, qkv_out.data(),
-               qkv_n);
+        qkv[l].prepare(xt, hidden, B, in);
+        qkv[l].apply(in, head0 * D, head1 * D,
+                     qkv_bias.empty() ? nullptr : qkv_bias[l].data_ptr<float>(), false,
+                     qkv_out.data(), qkv_n, tmp);
         for (int64_t b = 0; b < B; b++) {
           float* row = qkv_out.data() + b * qkv_n;
           for (int64_t h = head0; h < head1; h++) {
@@ -194,20 +211,19 @@ struct DecodeStep : torch::CustomClassHolder {
         for (int64_t w = 0; w < att.items; w++)
           att.run_item(w, caches[l].data_ptr(), sc, part.data(), buf);
         for (int64_t s = 0; s < B * att.kv_items; s++) att.merge(s, part.data(), attn_t);
-        matvec(o[l].data_ptr<float>(), H * D, attn_t, H * D, B, h0, h1, nullptr, true, x.data(),
-               hidden);
+        o[l].prepare(attn_t, H * D, B, in);
+        o[l].apply(in, h0, h1, nullptr, true, x.data(), hidden, tmp);
 #pragma omp barrier
         normed(post_norm[l]);
-        const float* gw = gate_up[l].data_ptr<float>();
-        matvec(gw, hidden, xt, hidden, B, i0, i1, nullptr, false, gu.data(), 2 * inter);
-        matvec(gw, hidden, xt, hidden, B, inter + i0, inter + i1, nullptr, false, gu.data(),
-               2 * inter);
+        gate_up[l].prepare(xt, hidden, B, in);
+        gate_up[l].apply(in, i0, i1, nullptr, false, gu.data(), 2 * inter, tmp);
+        gate_up[l].apply(in, inter + i0, inter + i1, nullptr, false, gu.data(), 2 * inter, tmp);
         for (int64_t b = 0; b < B; b++)
           silu_and_mul_row(gu.data() + b * 2 * inter + i0, gu.data() + b * 2 * inter + inter + i0,
                            i1 - i0, act.data() + b * inter + i0);
 #pragma omp barrier
-        matvec(down[l].data_ptr<float>(), inter, act.data(), inter, B, h0, h1, nullptr, true,
-               x.data(), hidden);
+        down[l].prepare(act.data(), inter, B, in);
+        down[l].apply(in, h0, h1, nullptr, true, x.data(), hidden, tmp);
 #pragma omp barrier
       }
       normed(norm);

@@ -30,6 +30,17 @@ void int4_dequantize_rows(const uint8_t* packed, const float* scale, const float
     }
 }
 
+// xsum [K / 32]: the sums of x's groups of 32, for the lo terms.
+inline void int4_group_sums(const float* x, int64_t K, float* xsum) {
+  for (int64_t g = 0; g < K / 32; g++) {
+    const float* xg = x + g * 32;
+    float t = 0.f;
+#pragma omp simd reduction(+ : t)
+    for (int64_t i = 0; i < 32; i++) t += xg[i];
+    xsum[g] = t;
+  }
+}
+
 // y[n] for one row x, output rows [n0, n1); xsum [G] = per-group sums of x.
 void int4_gemv_rows(const uint8_t* packed, const float* scale, const float* lo, int64_t n0,
                     int64_t n1, int64_t K, const float* x, const float* xsum, float* y) {
@@ -95,14 +106,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   float* op = out.data_ptr<float>();
   const int64_t xs = x.stride(0);
   std::vector<float> xsum(M * G);  // per-group sums of each row, for the lo terms
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t g = 0; g < G; g++) {
-      const float* xg = xp + m * xs + g * 32;
-      float t = 0.f;
-#pragma omp simd reduction(+ : t)
-      for (int64_t i = 0; i < 32; i++) t += xg[i];
-      xsum[m * G + g] = t;
-    }
+  for (int64_t m = 0; m < M; m++) int4_group_sums(xp + m * xs, K, xsum.data() + m * G);
   at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
     for (int64_t m = 0; m < M; m++)
       int4_gemv_rows(pp, sp, lp, b, e, K, xp + m * xs, xsum.data() + m * G, op + m * N);
@@ -129,6 +133,71 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 // w_sum, mult [16 ceil(N/16)]: row sums of the weights and a_scale * w_scale.
 constexpr int64_t kInt8RowBlock = 8;
 
+// Row r [K] scaled to absmax 1 and quantized (zero point 128) into q [kp]
+// (kp = K rounded up to 4, the tail left 0); returns the row's scale sx.
+inline float int8_quantize_row(const float* r, int64_t K, uint8_t* q) {
+  const float a_inv = 1.0f / (2.0f / 255.0f);
+  float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+  for (int64_t k = 0; k < K; k++) amax = std::fabs(r[k]) > amax ? std::fabs(r[k]) : amax;
+  const float sx = amax > 1e-12f ? amax : 1e-12f;
+#pragma omp simd
+  for (int64_t k = 0; k < K; k++) {
+    const float v = std::nearbyint((r[k] / sx) * a_inv) + 128.0f;
+    q[k] = static_cast<uint8_t>(v < 0.f ? 0.f : (v > 255.f ? 255.f : v));
+  }
+  return sx;
+}
+
+// Outputs of tiles [tile0, tile1) (16 each) for M quantized rows qa [M, kp]
+// with scales sxs: out[m, n] = y (+ bias[n]) (+ out[m, n] when accumulate).
+// Tiles go in pairs, kept in L1 while 8 rows of x at a time pass them.
+inline void int8_tiles(const uint8_t* qa, int64_t kp, const float* sxs, int64_t M,
+                       const int8_t* wp, const int32_t* ws, const float* mp, int64_t N,
+                       int64_t tile0, int64_t tile1, const float* bias, bool accumulate,
+                       float* out, int64_t os) {
+  const int64_t kq = kp / 4;
+  const __m512i zp = _mm512_set1_epi32(128);
+  for (int64_t t0 = tile0; t0 < tile1; t0 += 2) {
+    const int64_t nt = std::min<int64_t>(2, tile1 - t0);
+    const int8_t* w0 = wp + t0 * kq * 64;
+    const int8_t* w1 = w0 + (nt > 1 ? kq * 64 : 0);
+    for (int64_t m0 = 0; m0 < M; m0 += kInt8RowBlock) {
+      const int64_t mr = std::min<int64_t>(kInt8RowBlock, M - m0);
+      __m512i acc[kInt8RowBlock][2];
+      for (int i = 0; i < kInt8RowBlock; i++) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
+      const uint8_t* a = qa + m0 * kp;
+      for (int64_t c = 0; c < kq; c++) {
+        const __m512i wv0 = _mm512_loadu_si512(w0 + c * 64);
+        const __m512i wv1 = _mm512_loadu_si512(w1 + c * 64);
+        for (int64_t i = 0; i < mr; i++) {
+          int32_t four;
+          std::memcpy(&four, a + i * kp + c * 4, 4);
+          const __m512i av = _mm512_set1_epi32(four);
+          acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], av, wv0);
+          acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], av, wv1);
+        }
+      }
+      for (int64_t j = 0; j < nt; j++) {
+        const int64_t n0 = (t0 + j) * 16, nn = std::min<int64_t>(16, N - n0);
+        const __mmask16 keep = static_cast<__mmask16>((1u << nn) - 1);
+        const __m512i corr = _mm512_mullo_epi32(zp, _mm512_loadu_si512(ws + n0));
+        const __m512 mv = _mm512_loadu_ps(mp + n0);
+        const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+        for (int64_t i = 0; i < mr; i++) {
+          __m512 v = _mm512_mul_ps(
+              _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], corr)), mv),
+              _mm512_set1_ps(sxs[m0 + i]));
+          float* o = out + (m0 + i) * os + n0;
+          if (bias) v = _mm512_add_ps(v, bv);
+          if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, o), v);
+          _mm512_mask_storeu_ps(o, keep, v);
+        }
+      }
+    }
+  }
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_sum,
                        const at::Tensor& mult, int64_t N) {
   check_float_rows(x, "x");
@@ -145,63 +214,14 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const int64_t kp = kq * 4;
   std::vector<uint8_t> qa(M * kp, 0);
   std::vector<float> sxs(M);
-  const float a_inv = 1.0f / (2.0f / 255.0f);
   at::parallel_for(0, M, 64, [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; m++) {
-      const float* r = x.data_ptr<float>() + m * x.stride(0);
-      float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-      for (int64_t k = 0; k < K; k++) amax = std::fabs(r[k]) > amax ? std::fabs(r[k]) : amax;
-      const float sx = amax > 1e-12f ? amax : 1e-12f;
-      sxs[m] = sx;
-      uint8_t* q = qa.data() + m * kp;
-#pragma omp simd
-      for (int64_t k = 0; k < K; k++) {
-        const float v = std::nearbyint((r[k] / sx) * a_inv) + 128.0f;
-        q[k] = static_cast<uint8_t>(v < 0.f ? 0.f : (v > 255.f ? 255.f : v));
-      }
-    }
+    for (int64_t m = b; m < e; m++)
+      sxs[m] = int8_quantize_row(x.data_ptr<float>() + m * x.stride(0), K, qa.data() + m * kp);
   });
-  const int8_t* wp = packed.data_ptr<int8_t>();
-  const int32_t* ws = w_sum.data_ptr<int32_t>();
-  const float* mp = mult.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const __m512i zp = _mm512_set1_epi32(128);
   at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t b, int64_t e) {
-    for (int64_t pair = b; pair < e; pair++) {
-      const int64_t t0 = pair * 2, nt = std::min<int64_t>(2, tiles - t0);
-      const int8_t* w0 = wp + t0 * kq * 64;
-      const int8_t* w1 = w0 + (nt > 1 ? kq * 64 : 0);
-      for (int64_t m0 = 0; m0 < M; m0 += kInt8RowBlock) {
-        const int64_t mr = std::min<int64_t>(kInt8RowBlock, M - m0);
-        __m512i acc[kInt8RowBlock][2];
-        for (int i = 0; i < kInt8RowBlock; i++) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
-        const uint8_t* a = qa.data() + m0 * kp;
-        for (int64_t c = 0; c < kq; c++) {
-          const __m512i wv0 = _mm512_loadu_si512(w0 + c * 64);
-          const __m512i wv1 = _mm512_loadu_si512(w1 + c * 64);
-          for (int64_t i = 0; i < mr; i++) {
-            int32_t four;
-            std::memcpy(&four, a + i * kp + c * 4, 4);
-            const __m512i av = _mm512_set1_epi32(four);
-            acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], av, wv0);
-            acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], av, wv1);
-          }
-        }
-        for (int64_t j = 0; j < nt; j++) {
-          const int64_t n0 = (t0 + j) * 16, nn = std::min<int64_t>(16, N - n0);
-          const __mmask16 keep = static_cast<__mmask16>((1u << nn) - 1);
-          const __m512i corr = _mm512_mullo_epi32(zp, _mm512_loadu_si512(ws + n0));
-          const __m512 mv = _mm512_loadu_ps(mp + n0);
-          for (int64_t i = 0; i < mr; i++) {
-            const __m512 v = _mm512_mul_ps(
-                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], corr)), mv),
-                _mm512_set1_ps(sxs[m0 + i]));
-            _mm512_mask_storeu_ps(op + (m0 + i) * N + n0, keep, v);
-          }
-        }
-      }
-    }
+    int8_tiles(qa.data(), kp, sxs.data(), M, packed.data_ptr<int8_t>(),
+               w_sum.data_ptr<int32_t>(), mult.data_ptr<float>(), N, b * 2,
+               std::min(e * 2, tiles), nullptr, false, out.data_ptr<float>(), N);
   });
   return out;
 }

@@ -124,7 +124,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         input_ids, positions, meta, logits_idx, sample_reqs = self.prepare(out)
         argmax = None
-        if (self.decode_step is not None and meta.prefill is None
+        step = self.decode_step
+        if (step is not None and meta.prefill is None and input_ids.shape[0] <= step.max_batch
                 and len(sample_reqs) == input_ids.shape[0]):  # every sequence decodes, samples
             logits, argmax = self.decode_step(input_ids, positions, meta)
         else:

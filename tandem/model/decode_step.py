@@ -1,14 +1,15 @@
-"""A whole decode step in one C++ call: CPU, fp32, dense weights.
+"""A whole decode step in one C++ call (CPU: fp32, int8 or int4 weights).
 
 At small batch a decode step is bound by reading the weights, and driven from
 Python, op by op, it also leaves memory idle between ops: ~10 dispatches and
 thread-team wake-ups per layer and MKL's ramp-up at the start of each small
-matmul cost ~3.5 ms of a 22 ms step at batch 1 for the default model.
+matmul cost ~3.5 ms of a 22 ms fp32 step at batch 1 for the default model.
 ``torch.classes.tandem.DecodeStep`` (tandem/csrc/decode_step.h) runs the
 embedding rows, every layer and the LM head in one OpenMP team instead, with
-the same kernels as the per-op path (tandem._custom_ops) and its own
-row-streaming matmul. It takes the steps where every scheduled sequence
-decodes one token and samples; mixed prefill steps run LlamaModel.forward.
+the same kernels as the per-op path (tandem._custom_ops) and, for fp32
+weights, its own row-streaming matmul. It takes the steps where every
+scheduled sequence decodes one token and samples, up to ``max_batch`` of them;
+other steps run LlamaModel.forward.
 """
 
 from __future__ import annotations
@@ -17,8 +18,18 @@ import torch
 
 from tandem.model.attention import AttentionMetadata
 from tandem.model.kv_cache import KVCache
-from tandem.model.linear import DenseLinear
 from tandem.model.llama import LlamaModel
+
+# Largest decode batch per weight kind (dense, int8, int4) the step takes:
+# measured on the default model, beyond this the per-op path's GEMMs (MKL;
+# for int4, dequantize + MKL) are as fast or faster.
+MAX_BATCH = {0: 64, 1: 64, 2: 4}
+_UNIT = {0: 4, 1: 16, 2: 4}  # outputs per indivisible tile of each kind (step_matmul.h)
+
+
+def _matmuls(model: LlamaModel) -> list:
+    return [lin for layer in model.layers
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
 
 class DecodeStep:
@@ -26,27 +37,32 @@ class DecodeStep:
 
     def __init__(self, model: LlamaModel, kv_caches: list[KVCache], block_size: int) -> None:
         layers = model.layers
-        args = [cache.kernel_args for cache in kv_caches]
+        args = [lin.step_args for lin in _matmuls(model)]
+        kind = args[0][0]
+        self.max_batch = MAX_BATCH[kind]
+        caches = [cache.kernel_args for cache in kv_caches]
         self._step = torch.classes.tandem.DecodeStep(
             model.embed, model.norm, model.lm_head.w, model.cos, model.sin,
             [layer.input_norm for layer in layers], [layer.post_norm for layer in layers],
-            [layer.qkv.w for layer in layers],
+            [t for _, tensors in args for t in tensors],
             [layer.qkv.bias for layer in layers if layer.qkv.bias is not None],
-            [layer.o.w for layer in layers], [layer.gate_up.w for layer in layers],
-            [layer.down.w for layer in layers],
             [layer.q_norm for layer in layers if layer.q_norm is not None],
             [layer.k_norm for layer in layers if layer.k_norm is not None],
-            [cache for cache, _ in args], [scale for _, scale in args if scale is not None],
-            model.h, block_size, model.eps,
+            [cache for cache, _ in caches], [scale for _, scale in caches if scale is not None],
+            kind, model.h, model.cfg.intermediate_size, block_size, model.eps,
         )
 
     @staticmethod
     def supports(model: LlamaModel) -> bool:
-        """Built kernels, CPU fp32 (model.fused) and dense layer weights."""
-        return model.fused and all(
-            isinstance(lin, DenseLinear)
-            for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        )
+        """Built kernels, CPU fp32 activations (model.fused), every layer matmul
+        of one kind the step runs, and shapes its thread split can divide."""
+        if not model.fused or model.lm_head.step_args is None:
+            return False
+        args = [lin.step_args for lin in _matmuls(model)]
+        if any(a is None for a in args) or len({kind for kind, _ in args}) != 1:
+            return False
+        unit = _UNIT[args[0][0]]
+        return model.d % unit == 0 and model.cfg.intermediate_size % unit == 0
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

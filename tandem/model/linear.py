@@ -56,6 +56,13 @@ class DenseLinear:
         return res + self(x)
 
     @property
+    def step_args(self) -> tuple[int, list[torch.Tensor]] | None:
+        """(weight kind, tensors) as tandem's C++ decode step takes them."""
+        if self.w.device.type != "cpu" or self.w.dtype != torch.float32:
+            return None
+        return 0, [self.w, self.w, self.w]  # the kind's two other tensors: unused
+
+    @property
     def nbytes(self) -> int:
         n = self.w.numel() * self.w.element_size()
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
@@ -146,6 +153,10 @@ class Int8Linear(_QuantLinear):
         return torch.mm(x, self.qt.to(x.dtype)) * self.scale.to(x.dtype)
 
     @property
+    def step_args(self) -> tuple[int, list[torch.Tensor]] | None:
+        return (1, [self.wpack, self.w_sum, self.mult]) if self.kernel else None
+
+    @property
     def nbytes(self) -> int:
         return self._nbytes
 
@@ -193,6 +204,10 @@ class Int4Linear(_QuantLinear):
         w = (self.q.view(n, -1, self.group_size).to(x.dtype) * self.scale.to(x.dtype)
              + self.lo.to(x.dtype)).view(n, k)
         return torch.mm(x, w.t())
+
+    @property
+    def step_args(self) -> tuple[int, list[torch.Tensor]] | None:
+        return (2, [self.packed, self.scale, self.lo]) if self.kernel else None
 
     @property
     def nbytes(self) -> int:
