@@ -202,12 +202,6 @@ def compare(
     if engine.model.nbytes != w.total:
         extra = engine.model.nbytes - w.total
         why = []
-        if spec.tie_word_embeddings:
-            copy = spec.vocab_size * spec.hidden_size * engine.model.embed.element_size()
-            why.append(
-                f"tandem keeps the tied LM head as a transposed copy of the embedding "
-                f"({copy / MiB:,.1f} MiB) for a faster skinny matmul"
-            )
         if quant != "none":
             why.append(
                 "tandem quantizes the layer matmuls only (the LM head stays dense"
