@@ -9,6 +9,10 @@
 // int4 matmuls stream quantized weights at memory speed at batch 1, where
 // fbgemm's and torch's int4 kernels do not.
 //
+// decode_step.h runs a whole decode step (every layer and the LM head) in one
+// OpenMP team, with these kernels and matvec.h's row-streaming fp32 matmul;
+// it is registered as the class torch.classes.tandem.DecodeStep.
+//
 // AVX-512 paths are chosen at compile time (-march=native). Every kernel but
 // int8_linear has a portable loop beside it; int8_linear is registered only
 // where the CPU has VNNI (tandem.model.linear uses fbgemm elsewhere).

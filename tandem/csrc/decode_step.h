@@ -1,19 +1,20 @@
-// A whole decode step of an fp32 Llama-family model on CPU in one call:
-// embedding rows, every layer, the final norm and the LM head.
+// A whole decode step of a Llama-family model on CPU in one call: embedding
+// rows, every layer, the final norm and the LM head; fp32 activations, layer
+// weights dense fp32, int8 (VNNI) or int4 (tandem/csrc/step_matmul.h).
 //
 // Decode at small batch is bound by reading the weights (~538 MB per token for
-// the default model), but a step driven from Python, one aten op after another,
-// also leaves memory idle: ~10 op dispatches per layer, a thread-team wake-up
-// per op, and MKL's ramp-up at the start of each small matmul (at batch 1
-// about 3.5 ms of a 22 ms step). Here one OpenMP team runs the whole step:
-// each matmul's outputs are split across the threads (tandem::matvec, which
-// streams W at about the machine's read bandwidth), the glue in between is a
-// few microseconds, and the threads meet at a barrier only where the next
-// stage needs every thread's outputs.
+// the default model in fp32), but a step driven from Python, one aten op after
+// another, also leaves memory idle: ~10 op dispatches per layer, a thread-team
+// wake-up per op, and MKL's ramp-up at the start of each small matmul (at
+// batch 1 about 3.5 ms of a 22 ms step). Here one OpenMP team runs the whole
+// step: each matmul's outputs are split across the threads (for fp32,
+// tandem::matvec, which streams W at the machine's read bandwidth), the glue
+// in between is a few microseconds, and the threads meet at a barrier only
+// where the next stage needs every thread's outputs.
 //
 // The math is the torch reference path's (tandem/model/llama.py): the same
-// RMSNorm, RoPE, cache write, decode attention and SiLU code as tandem's
-// per-op kernels; only the matmuls sum in a different order than MKL.
+// RMSNorm, RoPE, cache write, decode attention, SiLU and quantized-matmul code
+// as tandem's per-op kernels; only fp32 matmuls sum in another order than MKL.
 #pragma once
 
 #include <omp.h>

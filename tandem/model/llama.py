@@ -10,6 +10,8 @@ computed only for the rows that sample.
 On CPU in fp32, tandem's fused kernels (tandem._custom_ops: RMSNorm, RoPE plus
 the cache write, SiLU-and-mul, decode attention) replace ~15 small ops per
 layer; the torch code beside each call is the reference path used without them.
+Steps where every sequence decodes skip this forward altogether: the model
+runner hands them to tandem.model.decode_step, one C++ call for all layers.
 """
 
 from __future__ import annotations

@@ -118,6 +118,22 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess:
                           env={**os.environ, **env}, timeout=300)
 
 
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (100, 37), (1536, 576), (16, 4)])
+def test_matvec_matches_matmul_and_is_batch_invariant(k, n):
+    """The decode step's fp32 matmul: K not a multiple of 16 (masked tail), N not
+    a multiple of 4 (single-row tiles), up to 9 rows (row blocks of 4)."""
+    torch.manual_seed(0)
+    x, w, bias = torch.randn(9, k), torch.randn(n, k), torch.randn(n)
+    want = torch.addmm(bias.double(), x.double(), w.double().t()).float()
+    got = ops.matvec(x, w, bias)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # A row's result does not depend on the rows batched with it.
+    for m in (1, 2, 3, 5):
+        assert torch.equal(ops.matvec(x[:m], w, None), ops.matvec(x, w, None)[:m])
+    with pytest.raises(RuntimeError, match="matvec"):
+        ops.matvec(x, w[:, :-1].contiguous(), None)
+
+
 def test_without_a_compiler_the_reference_paths_run(tmp_path):
     code = ("from tandem import _custom_ops, LLM, SamplingParams\n"
             "assert not _custom_ops.AVAILABLE\n"
