@@ -57,8 +57,7 @@ class ModelRunner:
         self.device = model.device
         self.vocab_size = model.cfg.vocab_size
         self.sampler = Sampler()
-        self.decode_step = DecodeStep(model, kv_caches, block_size) if DecodeStep.supports(
-            model) else None
+        self.decode_step = DecodeStep.build(model, kv_caches, block_size)
 
     def _slots(self, req: Request, start: int, n: int) -> torch.Tensor:
         bs = self.block_size

@@ -14,11 +14,15 @@ other steps run LlamaModel.forward.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from tandem.model.attention import AttentionMetadata
 from tandem.model.kv_cache import KVCache
 from tandem.model.llama import LlamaModel
+
+logger = logging.getLogger(__name__)
 
 # Largest decode batch per weight kind (dense, int8, int4) the step takes:
 # measured on the default model, beyond this the per-op path's GEMMs (MKL;
@@ -51,6 +55,18 @@ class DecodeStep:
             [cache for cache, _ in caches], [scale for _, scale in caches if scale is not None],
             kind, model.h, model.cfg.intermediate_size, block_size, model.eps,
         )
+
+    @classmethod
+    def build(cls, model: LlamaModel, kv_caches: list[KVCache],
+              block_size: int) -> DecodeStep | None:
+        """The step for this model, or None (LlamaModel.forward runs every step)."""
+        if not cls.supports(model):
+            return None
+        try:
+            return cls(model, kv_caches, block_size)
+        except RuntimeError as e:  # a shape the C++ side refuses: the per-op path still works
+            logger.warning("tandem's one-call decode step is off: %s", str(e).splitlines()[0])
+            return None
 
     @staticmethod
     def supports(model: LlamaModel) -> bool:

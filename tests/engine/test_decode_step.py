@@ -8,6 +8,7 @@ import torch
 from tandem import _custom_ops
 from tandem.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
+from tandem.model.decode_step import DecodeStep
 from tandem.sampling_params import SamplingParams
 
 from .test_architectures import hf_model
@@ -72,3 +73,26 @@ def test_decode_step_rejects_out_of_range_inputs(tmp_path):
         step.forward(one, one, one, table, torch.tensor([99], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="int64"):
         step.forward(one.int(), one, one, table, lens)
+
+
+def test_unsupported_shapes_and_refusals_fall_back_to_the_per_op_path(tmp_path, monkeypatch,
+                                                                      caplog):
+    # int8 tiles are 16 outputs: an intermediate size of 120 cannot be split by them.
+    hf_model("llama", intermediate_size=120).save_pretrained(tmp_path)
+    cfg = EngineConfig(model=str(tmp_path), skip_tokenizer_init=True, kv_cache_memory="8MiB",
+                       quantization="int8")
+    assert LLMEngine(cfg).runner.decode_step is None
+    # Whatever else the C++ side refuses: one warning, then the per-op path.
+    def refuse(*args, **kwargs):
+        raise RuntimeError("DecodeStep: refused\ndetails")
+
+    monkeypatch.setattr(DecodeStep, "__init__", refuse)
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), skip_tokenizer_init=True,
+                                    kv_cache_memory="8MiB"))
+    assert engine.runner.decode_step is None
+    assert "decode step is off: DecodeStep: refused" in caplog.text
+    req = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=4,
+                                                       ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(req.output_token_ids) == 4
