@@ -28,7 +28,6 @@ logger = logging.getLogger(__name__)
 # measured on the default model, beyond this the per-op path's GEMMs (MKL;
 # for int4, dequantize + MKL) are as fast or faster.
 MAX_BATCH = {0: 64, 1: 64, 2: 4}
-_UNIT = {0: 4, 1: 16, 2: 4}  # outputs per indivisible tile of each kind (step_matmul.h)
 
 
 def _matmuls(model: LlamaModel) -> list:
@@ -70,15 +69,12 @@ class DecodeStep:
 
     @staticmethod
     def supports(model: LlamaModel) -> bool:
-        """Built kernels, CPU fp32 activations (model.fused), every layer matmul
-        of one kind the step runs, and shapes its thread split can divide."""
+        """Built kernels, CPU fp32 activations (model.fused) and every layer
+        matmul of one kind the step runs (the C++ side checks the shapes)."""
         if not model.fused or model.lm_head.step_args is None:
             return False
-        args = [lin.step_args for lin in _matmuls(model)]
-        if any(a is None for a in args) or len({kind for kind, _ in args}) != 1:
-            return False
-        unit = _UNIT[args[0][0]]
-        return model.d % unit == 0 and model.cfg.intermediate_size % unit == 0
+        kinds = {a[0] if a else None for a in (lin.step_args for lin in _matmuls(model))}
+        return len(kinds) == 1 and None not in kinds
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
