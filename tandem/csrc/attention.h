@@ -328,7 +328,8 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& cache,
                                   int64_t block_size, double scale) {
   check_float_rows(q, "q");
   TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
-  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 4, "cache must be a contiguous [S, 2, Hkv, D]");
+  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 4,
+              "cache must be a contiguous [S, 2, Hkv, D]");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), hkv = cache.size(2);
   TORCH_CHECK(cache.size(3) == D, "q and cache head sizes do not match");
   const bool int8 = cache_scale.has_value();

@@ -120,9 +120,10 @@ struct DecodeStep : torch::CustomClassHolder {
   // argmax [B] (int64, the first index on ties): greedy sampling with no
   // torch op after the step, whose first ops run on caches the weights have
   // just swept (~0.3 ms for the sampler's few ops at batch 1).
-  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& input_ids, const at::Tensor& positions,
-                     const at::Tensor& slots, const at::Tensor& block_tables,
-                     const at::Tensor& context_lens) {
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& input_ids,
+                                             const at::Tensor& positions, const at::Tensor& slots,
+                                             const at::Tensor& block_tables,
+                                             const at::Tensor& context_lens) {
     TORCH_CHECK(input_ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
                     slots.scalar_type() == at::kLong && input_ids.is_contiguous() &&
                     positions.is_contiguous() && slots.is_contiguous(),

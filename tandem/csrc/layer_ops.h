@@ -92,7 +92,8 @@ struct RopeAndCache {
     for (int64_t i = 0; i < D; i++) amax = std::max(amax, std::fabs(src[i]));
     const float scale = std::max(amax, 1e-8f) / 127.0f;
     cache_s[slot * 2 * hkv + j] = scale;
-    for (int64_t i = 0; i < D; i++) cache_q[at + i] = static_cast<int8_t>(std::nearbyint(src[i] / scale));
+    for (int64_t i = 0; i < D; i++)
+      cache_q[at + i] = static_cast<int8_t>(std::nearbyint(src[i] / scale));
   }
 
   void token(float* x, int64_t pos, int64_t slot) const {
@@ -105,7 +106,8 @@ struct RopeAndCache {
 // RopeAndCache at it.
 inline void bind_cache(RopeAndCache& r, const at::Tensor& cache,
                        const std::optional<at::Tensor>& cache_scale) {
-  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 4, "cache must be a contiguous [S, 2, Hkv, D]");
+  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 4,
+              "cache must be a contiguous [S, 2, Hkv, D]");
   const bool int8 = cache_scale.has_value();
   TORCH_CHECK(int8 ? cache.scalar_type() == at::kChar : cache.scalar_type() == at::kFloat,
               "cache dtype does not match its kind");

@@ -66,7 +66,8 @@ struct StepMatmul {
       in.kp = (K + 3) / 4 * 4;
       in.q.assign(M * in.kp, 0);
       in.aux.resize(M);
-      for (int64_t m = 0; m < M; m++) in.aux[m] = int8_quantize_row(x + m * xs, K, in.q.data() + m * in.kp);
+      for (int64_t m = 0; m < M; m++)
+        in.aux[m] = int8_quantize_row(x + m * xs, K, in.q.data() + m * in.kp);
 #endif
     } else if (kind == WeightKind::kInt4) {
       in.aux.resize(M * K / 32);
