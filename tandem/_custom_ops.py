@@ -7,10 +7,10 @@ into ``$TANDEM_CACHE/kernels`` and loaded as ``torch.ops.tandem.*``.
 the cache key includes the CPU's flags, so a cache directory shared with
 another CPU model rebuilds rather than crash.
 
-Every kernel has a torch reference path next to where it is called (for int8:
-fbgemm). When no compiler is present, the build fails, or
-``TANDEM_CUSTOM_OPS=0`` is set, the reference paths run instead (slower, same
-results within float rounding) and one warning says why.
+Every kernel has a torch reference path next to where it is called. When no
+compiler is present, the build fails, or ``TANDEM_CUSTOM_OPS=0`` is set, the
+reference paths run instead (slower, same results within float rounding) and
+one warning says why.
 """
 
 from __future__ import annotations
@@ -94,13 +94,9 @@ def _load() -> bool:
 AVAILABLE: bool = _load()
 """Whether torch.ops.tandem.* is loaded (callers keep a torch reference path)."""
 
-INT8_LINEAR: bool = AVAILABLE and hasattr(torch.ops.tandem, "int8_linear")
-"""The int8 matmul kernel is built only where the CPU has AVX-512 VNNI (fbgemm elsewhere)."""
-
 
 if __name__ == "__main__":  # `python -m tandem._custom_ops`: build now (the Makefile's set-up)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not _load():
         raise SystemExit("tandem's CPU kernels are unavailable; tandem runs, more slowly")
-    print("tandem's CPU kernels are built"
-          + ("" if INT8_LINEAR else " (int8 runs on fbgemm: this CPU lacks AVX-512 VNNI)"))
+    print("tandem's CPU kernels are built")

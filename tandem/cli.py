@@ -36,7 +36,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--quantization", "-q", default="none", choices=["none", "int8", "int4"],
                    help="weight quantization of the layer matmuls: fewer bytes read per "
-                        "decode step (int8: per-channel, fbgemm on CPU; int4: groups of 32)")
+                        "decode step (int8: per-channel weights, activations in groups of "
+                        "32; int4: groups of 32)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context window (prompt + output); longer requests get an error, "
                         "never a silently truncated prompt")

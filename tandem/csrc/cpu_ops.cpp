@@ -7,15 +7,15 @@
 // the paged cache through the block table instead of gathering a padded copy
 // (at batch 32 that copy moved ~12 MB per layer per step). The int8 (VNNI) and
 // int4 matmuls stream quantized weights at memory speed at batch 1, where
-// fbgemm's and torch's int4 kernels do not.
+// fbgemm's and torch's int4 kernels do not, and int8 quantizes activations in
+// groups of 32 (llama.cpp's Q8_0 way), which fbgemm cannot.
 //
 // decode_step.h runs a whole decode step (every layer and the LM head) in one
 // OpenMP team, with these kernels and matvec.h's row-streaming fp32 matmul;
 // it is registered as the class torch.classes.tandem.DecodeStep.
 //
-// AVX-512 paths are chosen at compile time (-march=native). Every kernel but
-// int8_linear has a portable loop beside it; int8_linear is registered only
-// where the CPU has VNNI (tandem.model.linear uses fbgemm elsewhere).
+// AVX-512 (and VNNI) paths are chosen at compile time (-march=native); every
+// kernel has a portable loop beside it.
 //
 // Numerics follow the torch reference paths in tandem/model/*.py: fp32
 // accumulation everywhere, RoPE computed as x*cos - y*sin without contraction
@@ -51,9 +51,7 @@ TORCH_LIBRARY(tandem, m) {
                        TensorList, TensorList, TensorList, TensorList, TensorList, TensorList,
                        TensorList, int64_t, int64_t, int64_t, int64_t, double>())
       .def("forward", &tandem::DecodeStep::forward);
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  m.def("int8_linear(Tensor x, Tensor packed, Tensor w_sum, Tensor mult, int N) -> Tensor");
-#endif
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor w_scale, int N) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
@@ -63,7 +61,5 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("paged_attention_decode", &tandem::paged_attention_decode);
   m.impl("matvec", &tandem::matvec_op);
   m.impl("int4_linear", &tandem::int4_linear);
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.impl("int8_linear", &tandem::int8_linear);
-#endif
 }

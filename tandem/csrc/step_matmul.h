@@ -15,13 +15,14 @@ enum class WeightKind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2 };
 struct StepInput {
   const float* x = nullptr;
   int64_t xs = 0, M = 0, kp = 0;
-  std::vector<uint8_t> q;  // int8: quantized rows [M, kp]
-  std::vector<float> aux;  // int8: row scales [M]; int4: group sums [M, K / 32]
+  std::vector<int8_t> q;      // int8: quantized rows [M, kp]
+  std::vector<int32_t> qsum;  // int8: sums of each group of q [M, kp / 32]
+  std::vector<float> aux;     // int8: group scales [M, kp / 32]; int4: group sums [M, K / 32]
 };
 
 struct StepMatmul {
   WeightKind kind;
-  at::Tensor w, a, b;  // dense: w [N, K]; int8: packed, w_sum, mult; int4: packed, scale, lo
+  at::Tensor w, a, b;  // dense: w [N, K]; int8: packed, w_scale (b unused); int4: packed, scale, lo
   int64_t N, K;
 
   // Outputs of a thread's share come in whole units of this many.
@@ -36,14 +37,10 @@ struct StepMatmul {
              w.size(1) == K;
         break;
       case WeightKind::kInt8: {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
         const int64_t tiles = (N + 15) / 16;
-        ok = ok && w.scalar_type() == at::kChar && w.dim() == 4 && w.size(0) == tiles &&
-             w.size(1) == (K + 3) / 4 && a.scalar_type() == at::kInt && a.numel() == tiles * 16 &&
-             b.scalar_type() == at::kFloat && b.numel() == tiles * 16;
-#else
-        ok = false;  // int8_linear's kernel is built only where the CPU has VNNI
-#endif
+        ok = ok && w.scalar_type() == at::kByte && w.dim() == 4 && w.size(0) == tiles &&
+             w.size(1) * 4 == (K + kInt8Group - 1) / kInt8Group * kInt8Group &&
+             a.scalar_type() == at::kFloat && a.numel() == tiles * 16;
         break;
       }
       case WeightKind::kInt4:
@@ -62,13 +59,14 @@ struct StepMatmul {
     in.xs = xs;
     in.M = M;
     if (kind == WeightKind::kInt8) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-      in.kp = (K + 3) / 4 * 4;
+      in.kp = (K + kInt8Group - 1) / kInt8Group * kInt8Group;
+      const int64_t G = in.kp / kInt8Group;
       in.q.assign(M * in.kp, 0);
-      in.aux.resize(M);
+      in.qsum.resize(M * G);
+      in.aux.resize(M * G);
       for (int64_t m = 0; m < M; m++)
-        in.aux[m] = int8_quantize_row(x + m * xs, K, in.q.data() + m * in.kp);
-#endif
+        int8_quantize_row(x + m * xs, K, in.q.data() + m * in.kp, in.aux.data() + m * G,
+                          in.qsum.data() + m * G);
     } else if (kind == WeightKind::kInt4) {
       in.aux.resize(M * K / 32);
       for (int64_t m = 0; m < M; m++) int4_group_sums(x + m * xs, K, in.aux.data() + m * K / 32);
@@ -85,11 +83,8 @@ struct StepMatmul {
         matvec(w.data_ptr<float>(), K, in.x, in.xs, in.M, n0, n1, bias, accumulate, out, os);
         return;
       case WeightKind::kInt8:
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-        int8_tiles(in.q.data(), in.kp, in.aux.data(), in.M, w.data_ptr<int8_t>(),
-                   a.data_ptr<int32_t>(), b.data_ptr<float>(), N, n0 / 16, (n1 + 15) / 16, bias,
-                   accumulate, out, os);
-#endif
+        int8_tiles(in.q.data(), in.aux.data(), in.qsum.data(), in.kp, in.M, w.data_ptr<uint8_t>(),
+                   a.data_ptr<float>(), N, n0 / 16, (n1 + 15) / 16, bias, accumulate, out, os);
         return;
       case WeightKind::kInt4:
         tmp.resize(n1);

@@ -9,14 +9,14 @@ Quantization trades a little quality for fewer bytes read per decode step
 (the seeds' strongest lever on decode speed):
 
 * int8: symmetric, one fp32 scale per output channel. On CPU, activations are
-  quantized per token too (W8A8). Where the CPU has AVX-512 VNNI, tandem's
-  kernel multiplies them for every batch size, with weights packed 16 outputs
-  x 4 inputs per 64 bytes (batch 1: 2.5-4x faster than fbgemm's GEMV; up to
-  ~128 rows as fast or faster; bit-identical outputs wherever fbgemm's int16
-  pair sums do not saturate). Elsewhere fbgemm's int8 kernels run it (batch 1:
-  9.7 ms for all layer matmuls vs 13.3 with ``torch._int_mm``, 16.1 in fp32).
-  On CUDA the weight is dequantized inside the matmul (y = (x @ q) * scale),
-  saving memory, not time.
+  quantized too (W8A8), in groups of 32 inputs with a scale each, as
+  llama.cpp's Q8_0 does (a scale per token cost +4.8% perplexity on the
+  default model, per group +0.9%). tandem's kernel multiplies them in exact
+  int32 per group (AVX-512 VNNI where the CPU has it, a portable loop
+  elsewhere), with weights packed 16 outputs x 4 inputs per 64 bytes: batch 1
+  streams them at memory speed. Without the kernels the same arithmetic runs
+  in torch, slower. On CUDA the weight is dequantized inside the matmul
+  (y = (x @ q) * scale), saving memory, not time.
 * int4: asymmetric, groups of ``group_size`` input weights with a scale and a
   zero point each. On CPU, tandem's kernel (groups of 32) unpacks the nibbles
   in registers for up to 4 rows (decode: 0.9-2x the speed of fp32 at an eighth
@@ -27,14 +27,14 @@ Quantization trades a little quality for fewer bytes read per decode step
 
 from __future__ import annotations
 
-import warnings
-
 import torch
+import torch.nn.functional as F
 
 from tandem import _custom_ops
 
 QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP_SIZE = 32
+INT8_GROUP_SIZE = 32  # inputs per activation scale (tandem/csrc/quant_linear.h: kInt8Group)
 
 
 class DenseLinear:
@@ -81,19 +81,15 @@ class _QuantLinear:
         return res + self(x)
 
 
-def _has_vnni() -> bool:
-    """AVX-512 VNNI accumulates u8 x s8 products in int32; without it, fbgemm's
-    AVX2 path sums pairs in int16 and needs 7-bit activations (reduce_range)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_vnni" in flags or "avx_vnni" in flags
-
-
-_REDUCE_RANGE = not _has_vnni()
-_ACT_SCALE = torch.tensor(2 / 255, dtype=torch.float32)  # fbgemm's scale for the range [-1, 1]
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as int8 W8A8 sees it: each group of INT8_GROUP_SIZE inputs
+    rounded to a multiple of its own scale, absmax / 127 (llama.cpp's Q8_0
+    activations; the reference for tandem's int8 kernel)."""
+    m, k = x.shape
+    kp = -(-k // INT8_GROUP_SIZE) * INT8_GROUP_SIZE
+    xg = F.pad(x, (0, kp - k)).view(m, kp // INT8_GROUP_SIZE, INT8_GROUP_SIZE)
+    s = xg.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127.0
+    return (torch.round(xg / s) * s).view(m, kp)[:, :k]
 
 
 class Int8Linear(_QuantLinear):
@@ -104,57 +100,40 @@ class Int8Linear(_QuantLinear):
         self.bias = bias
         self.cpu = w.device.type == "cpu"
         self._nbytes = out_f * in_f + out_f * 4
-        self.kernel = self.cpu and _custom_ops.INT8_LINEAR
-        if self.cpu:
-            with warnings.catch_warnings():  # quantized tensor creation warns it is legacy
-                warnings.simplefilter("ignore")
-                qw = torch.quantize_per_channel(
-                    w, self.scale.double(), torch.zeros(out_f, dtype=torch.long), 0, torch.qint8
-                )
-            if self.kernel:
-                self._pack_for_kernel(qw.int_repr())
-            else:
-                self.packed = torch.ops.quantized.linear_prepack(qw, None)
-                # One extra row pins fbgemm's per-tensor activation range to [-1, 1].
-                self.pin = torch.zeros(1, in_f)
-                self.pin[0, 0], self.pin[0, 1 % in_f] = 1.0, -1.0
+        q = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.kernel = self.cpu and _custom_ops.AVAILABLE
+        if self.kernel:
+            self._pack_for_kernel(q)
+        elif self.cpu:
+            self.q = q  # [out, in], for the torch reference path
         else:
-            q = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8)
             self.qt = q.t().contiguous()  # [in, out]
 
-    def _pack_for_kernel(self, wq: torch.Tensor) -> None:
-        """[out, in] int8 -> tiles of 16 outputs x (4 inputs per 64 bytes), zero-padded."""
-        n, k = wq.shape
-        tiles, kq = -(-n // 16), -(-k // 4)
-        padded = torch.zeros(tiles * 16, kq * 4, dtype=torch.int8)
-        padded[:n, :k] = wq
-        self.wpack = padded.view(tiles, 16, kq, 4).permute(0, 2, 1, 3).contiguous()
-        self.w_sum = padded.sum(1, dtype=torch.int32)
-        self.mult = torch.zeros(tiles * 16)
-        self.mult[:n] = _ACT_SCALE * self.scale  # fbgemm's float rescale, same rounding
+    def _pack_for_kernel(self, q: torch.Tensor) -> None:
+        """[out, in] int8 -> uint8 (+ 128) tiles of 16 outputs x (4 inputs per 64
+        bytes), inputs zero-padded to whole groups (tandem/csrc/quant_linear.h)."""
+        n, k = q.shape
+        tiles, kp = -(-n // 16), -(-k // INT8_GROUP_SIZE) * INT8_GROUP_SIZE
+        padded = torch.zeros(tiles * 16, kp, dtype=torch.int16)
+        padded[:n, :k] = q
+        u8 = (padded + 128).to(torch.uint8)
+        self.wpack = u8.view(tiles, 16, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
+        self.w_scale = torch.zeros(tiles * 16)
+        self.w_scale[:n] = self.scale
         self.out_features = n
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel:
             return torch.ops.tandem.int8_linear(
-                x.float(), self.wpack, self.w_sum, self.mult, self.out_features).to(x.dtype)
-        if self.cpu:
-            # fbgemm quantizes activations with one scale per tensor, which makes
-            # a row's result depend on the rest of the batch and crushes rows of
-            # small magnitude. Normalizing each token to absmax 1 (and pinning the
-            # range with a constant row) gives every token its own 8-bit scale:
-            # batch-invariant, and the int8 kernels stay fbgemm's fast ones.
-            xf = x.float()
-            sx = xf.abs().amax(1, keepdim=True).clamp_min(1e-12)
-            y = torch.ops.quantized.linear_dynamic(
-                torch.cat((xf / sx, self.pin)), self.packed, _REDUCE_RANGE
-            )
-            return (y[:-1] * sx).to(x.dtype)
+                x.float(), self.wpack, self.w_scale, self.out_features).to(x.dtype)
+        if self.cpu:  # the same arithmetic in torch (float-exact up to rounding): slower
+            w = self.q.float() * self.scale[:, None]
+            return torch.mm(quantize_activations(x.float()), w.t()).to(x.dtype)
         return torch.mm(x, self.qt.to(x.dtype)) * self.scale.to(x.dtype)
 
     @property
     def step_args(self) -> tuple[int, list[torch.Tensor]] | None:
-        return (1, [self.wpack, self.w_sum, self.mult]) if self.kernel else None
+        return (1, [self.wpack, self.w_scale, self.w_scale]) if self.kernel else None  # 3rd unused
 
     @property
     def nbytes(self) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem import _custom_ops
 from tandem.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.model.decode_step import DecodeStep
@@ -38,8 +37,6 @@ class CheckedStep:
                          [("none", "auto"), ("none", "int8"), ("int8", "auto"), ("int4", "int8")])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_decode_step_matches_forward(arch, quantization, kv_cache_dtype, tmp_path):
-    if quantization == "int8" and not _custom_ops.INT8_LINEAR:
-        pytest.skip("tandem's int8 kernel needs AVX-512 VNNI")
     hf_model(arch, max_position_embeddings=1024).save_pretrained(tmp_path)
     engine = LLMEngine(EngineConfig(model=str(tmp_path), skip_tokenizer_init=True,
                                     kv_cache_memory="8MiB", kv_cache_dtype=kv_cache_dtype,
@@ -81,9 +78,8 @@ def test_unsupported_shapes_and_refusals_fall_back_to_the_per_op_path(tmp_path, 
     hf_model("llama", intermediate_size=120).save_pretrained(tmp_path)
     cfg = EngineConfig(model=str(tmp_path), skip_tokenizer_init=True, kv_cache_memory="8MiB",
                        quantization="int8")
-    if _custom_ops.INT8_LINEAR:
-        assert LLMEngine(cfg).runner.decode_step is None
-        assert "multiples of 16" in caplog.text
+    assert LLMEngine(cfg).runner.decode_step is None
+    assert "multiples of 16" in caplog.text
     # Whatever else the C++ side refuses: one warning, then the per-op path.
     def refuse(*args, **kwargs):
         raise RuntimeError("DecodeStep: refused\ndetails")

@@ -32,10 +32,10 @@ def test_int8_matches_dequantized_reference():
     deq = torch.round(w / lin.scale[:, None]).clamp(-127, 127) * lin.scale[:, None]
     x = torch.randn(7, 128)
     ref = x @ deq.t() + b
-    # Activations are quantized per token (8-bit): well under 1% of the output range.
+    # Activations are quantized in groups of 32 (8-bit): well under 1% of the output range.
     err = (lin(x) - ref).abs().max() / ref.abs().max()
     assert err < 0.01
-    # Per-token scales: a row's result does not depend on the rest of the batch.
+    # Per-row scales: a row's result does not depend on the rest of the batch.
     torch.testing.assert_close(lin(x[2:3]), lin(x)[2:3])
     assert lin.nbytes == w.numel() + 96 * 4
     assert (deq - w).abs().max() <= lin.scale.max() / 2 + 1e-7  # rounding, not worse
