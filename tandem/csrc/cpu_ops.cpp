@@ -47,9 +47,10 @@ TORCH_LIBRARY(tandem, m) {
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor lo) -> Tensor");
   using TensorList = std::vector<at::Tensor>;
   m.class_<tandem::DecodeStep>("DecodeStep")
-      .def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, TensorList,
-                       TensorList, TensorList, TensorList, TensorList, TensorList, TensorList,
-                       TensorList, int64_t, int64_t, int64_t, int64_t, double>())
+      .def(torch::init<at::Tensor, at::Tensor, TensorList, int64_t, int64_t, at::Tensor,
+                       at::Tensor, TensorList, TensorList, TensorList, TensorList, TensorList,
+                       TensorList, TensorList, TensorList, int64_t, int64_t, int64_t, int64_t,
+                       double>())
       .def("forward", &tandem::DecodeStep::forward);
   m.def("int8_linear(Tensor x, Tensor packed, Tensor w_scale, int N) -> Tensor");
 }

@@ -35,15 +35,18 @@ struct DecodeStep : torch::CustomClassHolder {
   // is empty for a float cache.
   std::vector<at::Tensor> input_norm, post_norm, qkv_bias, q_norm, k_norm, caches, cache_scales;
   std::vector<StepMatmul> qkv, o, gate_up, down;
-  at::Tensor embed, norm, lm_head, cos, sin;
+  StepMatmul lm_head;
+  at::Tensor embed, norm, cos, sin;
   WeightKind kind;
   int64_t H, hkv, D, hidden, inter, vocab, block_size;
   float eps, scale;
 
   // matmuls: per layer qkv, o, gate_up, down, three tensors each (dense:
-  // the [out, in] weight and two unused; int8: packed, w_sum, mult; int4:
-  // packed, scale, lo), all of weight kind `kind`. The LM head is dense.
-  DecodeStep(at::Tensor embed_, at::Tensor norm_, at::Tensor lm_head_, at::Tensor cos_,
+  // the [out, in] weight and two unused; int8: packed, w_scale and one
+  // unused; int4: packed, scale, lo), all of weight kind `kind`; lm_head: the
+  // LM head's three, of kind lm_kind.
+  DecodeStep(at::Tensor embed_, at::Tensor norm_, std::vector<at::Tensor> lm_head_,
+             int64_t lm_kind, int64_t vocab_size, at::Tensor cos_,
              at::Tensor sin_, std::vector<at::Tensor> input_norm_,
              std::vector<at::Tensor> post_norm_, std::vector<at::Tensor> matmuls,
              std::vector<at::Tensor> qkv_bias_, std::vector<at::Tensor> q_norm_,
@@ -53,12 +56,13 @@ struct DecodeStep : torch::CustomClassHolder {
       : input_norm(std::move(input_norm_)), post_norm(std::move(post_norm_)),
         qkv_bias(std::move(qkv_bias_)), q_norm(std::move(q_norm_)), k_norm(std::move(k_norm_)),
         caches(std::move(caches_)), cache_scales(std::move(cache_scales_)),
-        embed(std::move(embed_)), norm(std::move(norm_)), lm_head(std::move(lm_head_)),
-        cos(std::move(cos_)), sin(std::move(sin_)), kind(static_cast<WeightKind>(kind_)),
+        embed(std::move(embed_)), norm(std::move(norm_)), cos(std::move(cos_)), sin(std::move(sin_)), kind(static_cast<WeightKind>(kind_)),
         H(num_heads), inter(intermediate_size), block_size(block_size_),
         eps(static_cast<float>(eps_)) {
     const size_t L = caches.size();
-    TORCH_CHECK(kind_ >= 0 && kind_ <= 2, "DecodeStep: unknown weight kind ", kind_);
+    TORCH_CHECK(kind_ >= 0 && kind_ <= 2 && lm_kind >= 0 && lm_kind <= 2,
+                "DecodeStep: unknown weight kind");
+    TORCH_CHECK(lm_head_.size() == 3, "DecodeStep: the LM head needs three tensors");
     TORCH_CHECK(L > 0 && input_norm.size() == L && post_norm.size() == L &&
                     matmuls.size() == 12 * L,
                 "DecodeStep: every per-layer list needs one entry per layer (matmuls: 12)");
@@ -67,7 +71,7 @@ struct DecodeStep : torch::CustomClassHolder {
                     (cache_scales.empty() || cache_scales.size() == L),
                 "DecodeStep: optional per-layer lists must be empty or one per layer");
     hidden = embed.size(1);
-    vocab = lm_head.size(0);
+    vocab = vocab_size;
     hkv = caches[0].size(2);
     D = caches[0].size(3);
     scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
@@ -85,7 +89,9 @@ struct DecodeStep : torch::CustomClassHolder {
     };
     dense(embed, embed.size(0), hidden, "embed");
     dense(norm, hidden, 0, "norm");
-    dense(lm_head, vocab, hidden, "lm_head");
+    lm_head = StepMatmul{static_cast<WeightKind>(lm_kind), lm_head_[0], lm_head_[1], lm_head_[2],
+                         vocab, hidden};
+    lm_head.check("lm_head");
     dense(cos, cos.size(0), D, "cos");
     dense(sin, cos.size(0), D, "sin");
     for (size_t l = 0; l < L; l++) {
@@ -183,7 +189,7 @@ struct DecodeStep : torch::CustomClassHolder {
       const auto [head0, head1] = share(H + 2 * hkv, t, nt, 1);
       const auto [h0, h1] = share(hidden, t, nt, unit);
       const auto [i0, i1] = share(inter, t, nt, unit);  // gate rows [i0, i1) and their up rows
-      const auto [v0, v1] = share(vocab, t, nt);
+      const auto [v0, v1] = share(vocab, t, nt, StepMatmul::unit(lm_head.kind));
       StepInput in;
       std::vector<float> tmp;
       for (size_t l = 0; l < caches.size(); l++) {
@@ -229,7 +235,8 @@ struct DecodeStep : torch::CustomClassHolder {
 #pragma omp barrier
       }
       normed(norm);
-      matvec(lm_head.data_ptr<float>(), hidden, xt, hidden, B, v0, v1, nullptr, false, out, vocab);
+      lm_head.prepare(xt, hidden, B, in);
+      lm_head.apply(in, v0, v1, nullptr, false, out, vocab, tmp);
       for (int64_t b = 0; b < B; b++) {  // this thread's share of each row's argmax
         const float* row = out + b * vocab;
         for (int64_t v = v0; v < v1; v++)

@@ -44,8 +44,10 @@ class DecodeStep:
         kind = args[0][0]
         self.max_batch = MAX_BATCH[kind]
         caches = [cache.kernel_args for cache in kv_caches]
+        lm_kind, lm_tensors = model.lm_head.step_args
         self._step = torch.classes.tandem.DecodeStep(
-            model.embed, model.norm, model.lm_head.w, model.cos, model.sin,
+            model.embed, model.norm, lm_tensors, lm_kind, model.cfg.vocab_size, model.cos,
+            model.sin,
             [layer.input_norm for layer in layers], [layer.post_norm for layer in layers],
             [t for _, tensors in args for t in tensors],
             [layer.qkv.bias for layer in layers if layer.qkv.bias is not None],

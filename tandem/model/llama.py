@@ -142,7 +142,7 @@ class LlamaModel:
         self.scale = self.d**-0.5
         self.embed = weights["embed"]  # [vocab, hidden]
         self.norm = weights["norm"]
-        self.lm_head: DenseLinear = weights["lm_head"]  # dense: it decides every token
+        self.lm_head: Linear = weights["lm_head"]  # dense, or int8 in quantized models
         self.layers = [Layer(w) for w in weights["layers"]]
         dev, dt = self.embed.device, self.embed.dtype
         pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)
@@ -219,7 +219,8 @@ class LlamaModel:
         norms = self.norm.numel() + sum(
             layer.input_norm.numel() + layer.post_norm.numel() for layer in self.layers
         )
-        tied = self.lm_head.w.data_ptr() == self.embed.data_ptr()
+        head = self.lm_head
+        tied = isinstance(head, DenseLinear) and head.w.data_ptr() == self.embed.data_ptr()
         embed = 0 if tied else self.embed.numel()
         return self.weight_bytes + (embed + norms) * self.embed.element_size()
 

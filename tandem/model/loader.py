@@ -108,8 +108,8 @@ def fuse_weights(
     """HF-named tensors -> LlamaModel's fused layout (consumes hf).
 
     Q/K/V become one matmul and gate/up another. With quantization, every
-    layer matmul is quantized; the LM head stays dense (quality: it decides
-    every token) and so does the embedding (a row lookup, not a matmul).
+    layer matmul is quantized, the LM head to int8 whatever the layers' kind,
+    and the embedding stays dense (a row lookup, not a matmul).
     """
 
     def take(name: str) -> torch.Tensor:
@@ -137,7 +137,14 @@ def fuse_weights(
         raise ValueError("the weights have no lm_head.weight and tie_word_embeddings is false")
     embed = take("model.embed_tokens.weight")
     embed = dense(embed) if lm is None else put(embed)  # tied: the embedding is the LM head
-    lm_head = DenseLinear(embed if lm is None else dense(lm))
+    # Quantized models get an int8 LM head (as llama.cpp's Q4/Q8 files have a
+    # Q6_K/Q8_0 one): per-channel weights with activations in groups of 32
+    # cost +0.003 NLL on the default model, and it is ~a third of what an int8
+    # step reads otherwise. The row lookup keeps the float embedding.
+    if quantization == "none":
+        lm_head: Linear = DenseLinear(embed if lm is None else dense(lm))
+    else:
+        lm_head = make_linear(embed if lm is None else put(lm), None, "int8")
     layers = []
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."

@@ -202,12 +202,12 @@ def compare(
     if engine.model.nbytes != w.total:
         extra = engine.model.nbytes - w.total
         why = []
-        if quant != "none":
-            why.append(
-                "tandem quantizes the layer matmuls only (the LM head stays dense"
-                + (", int4 scales/zeros in fp32" if quant == "int4" else "")
-                + "), the plan quantizes the LM head too, as llama.cpp does"
-            )
+        if quant != "none" and spec.tie_word_embeddings:
+            why.append("tandem keeps the tied embedding in float for the row lookup beside "
+                       "its int8 LM head, the plan counts it once, quantized")
+        if quant == "int4":
+            why.append("tandem's LM head is int8 (the plan's: int4) and int4 scales/zeros "
+                       "are fp32")
         notes.append(
             f"weights: the engine holds {extra / MiB:+,.1f} MiB vs the plan"
             + (": " + "; ".join(why) if why else "")
