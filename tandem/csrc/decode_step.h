@@ -120,31 +120,30 @@ struct DecodeStep : torch::CustomClassHolder {
     }
   }
 
-  // input_ids, positions, slots: [B] int64; block_tables [B, nb] and
-  // context_lens [B] int32 (the context includes the new token). Writes the
-  // new K/V to the caches; returns the logits [B, vocab] and each row's
-  // argmax [B] (int64, the first index on ties): greedy sampling with no
-  // torch op after the step, whose first ops run on caches the weights have
-  // just swept (~0.3 ms for the sampler's few ops at batch 1).
-  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& input_ids,
-                                             const at::Tensor& positions, const at::Tensor& slots,
-                                             const at::Tensor& block_tables,
-                                             const at::Tensor& context_lens) {
-    TORCH_CHECK(input_ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
-                    slots.scalar_type() == at::kLong && input_ids.is_contiguous() &&
-                    positions.is_contiguous() && slots.is_contiguous(),
-                "input_ids, positions and slots must be contiguous int64");
-    const int64_t B = input_ids.numel();
-    TORCH_CHECK(B > 0 && positions.numel() == B && slots.numel() == B,
-                "input_ids, positions and slots must have one entry per sequence");
-    const int64_t* ids = input_ids.data_ptr<int64_t>();
-    const int64_t* pos = positions.data_ptr<int64_t>();
-    const int64_t* slot = slots.data_ptr<int64_t>();
-    const int64_t num_slots = caches[0].size(0);
-    for (int64_t b = 0; b < B; b++)
+  // tokens [B, 3] int64: each sequence's new token id, its position and its
+  // cache slot; block_tables [B, nb] int32, covering position + 1 tokens.
+  // Writes the new K/V to the caches; returns the logits [B, vocab] and each
+  // row's argmax [B] (int64, the first index on ties): greedy sampling with
+  // no torch op after the step, whose first ops run on caches the weights
+  // have just swept (~0.3 ms for the sampler's few ops at batch 1).
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& tokens,
+                                             const at::Tensor& block_tables) {
+    TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 2 && tokens.size(1) == 3 &&
+                    tokens.size(0) > 0 && tokens.is_contiguous(),
+                "tokens must be a contiguous int64 [B, 3]: token id, position, slot");
+    const int64_t B = tokens.size(0), num_slots = caches[0].size(0);
+    const int64_t* tk = tokens.data_ptr<int64_t>();
+    std::vector<int64_t> ids(B), pos(B), slot(B);
+    auto context_lens = at::empty({B}, tokens.options().dtype(at::kInt));
+    for (int64_t b = 0; b < B; b++) {
+      ids[b] = tk[3 * b];
+      pos[b] = tk[3 * b + 1];
+      slot[b] = tk[3 * b + 2];
       TORCH_CHECK(ids[b] >= 0 && ids[b] < embed.size(0) && pos[b] >= 0 && pos[b] < cos.size(0) &&
                       slot[b] >= 0 && slot[b] < num_slots,
                   "token id, position or slot out of range");
+      context_lens.data_ptr<int32_t>()[b] = static_cast<int32_t>(pos[b] + 1);
+    }
     const int64_t qkv_n = (H + 2 * hkv) * D, threads = at::get_num_threads();
     std::vector<float> x(B * hidden), xn(threads * B * hidden), qkv_out(B * qkv_n),
         attn(threads * B * H * D), gu(B * 2 * inter), act(B * inter);
@@ -246,7 +245,7 @@ struct DecodeStep : torch::CustomClassHolder {
           }
       }
     }
-    auto argmax = at::empty({B}, input_ids.options());
+    auto argmax = at::empty({B}, tokens.options());
     int64_t* am = argmax.data_ptr<int64_t>();
     for (int64_t b = 0; b < B; b++) {  // shares in vocabulary order: ties keep the first
       int64_t pick = -1;

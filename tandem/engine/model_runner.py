@@ -121,13 +121,12 @@ class ModelRunner:
         )
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        input_ids, positions, meta, logits_idx, sample_reqs = self.prepare(out)
         argmax = None
-        step = self.decode_step
-        if (step is not None and meta.prefill is None and input_ids.shape[0] <= step.max_batch
-                and len(sample_reqs) == input_ids.shape[0]):  # every sequence decodes, samples
-            logits, argmax = self.decode_step(input_ids, positions, meta)
+        if self.decode_step is not None and self.decode_step.takes(out):
+            sample_reqs = out.requests
+            logits, argmax = self.decode_step(sample_reqs)
         else:
+            input_ids, positions, meta, logits_idx, sample_reqs = self.prepare(out)
             logits = self.model.forward(input_ids, positions, self.kv_caches, meta, logits_idx)
         if logits is None:
             return ModelRunnerOutput([], [])

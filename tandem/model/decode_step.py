@@ -15,12 +15,16 @@ other steps run LlamaModel.forward.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.model.attention import AttentionMetadata
 from tandem.model.kv_cache import KVCache
 from tandem.model.llama import LlamaModel
+
+if TYPE_CHECKING:  # the engine's types, read by attribute only
+    from tandem.engine.request import Request
+    from tandem.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,7 @@ class DecodeStep:
         args = [lin.step_args for lin in _matmuls(model)]
         kind = args[0][0]
         self.max_batch = MAX_BATCH[kind]
+        self.block_size = block_size
         caches = [cache.kernel_args for cache in kv_caches]
         lm_kind, lm_tensors = model.lm_head.step_args
         self._step = torch.classes.tandem.DecodeStep(
@@ -78,11 +83,22 @@ class DecodeStep:
         kinds = {a[0] if a else None for a in (lin.step_args for lin in _matmuls(model))}
         return len(kinds) == 1 and None not in kinds
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [B, vocab] of B decoding sequences and each row's argmax (the
-        greedy token, so plain greedy sampling runs no torch op after the step);
-        their new K/V go to the caches."""
-        dec = meta.decode
-        return self._step.forward(input_ids, positions, meta.slot_mapping, dec.block_table,
-                                  dec.context_lens)
+    def takes(self, out: SchedulerOutput) -> bool:
+        """Every scheduled sequence decodes one token and samples, and they fit."""
+        return len(out.requests) <= self.max_batch and all(
+            n == 1 and r.num_computed_tokens + 1 == r.num_tokens
+            for r, n in zip(out.requests, out.num_scheduled_tokens))
+
+    def __call__(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, vocab] of the B decoding sequences and each row's argmax
+        (the greedy token, so plain greedy sampling runs no torch op after the
+        step); their new K/V go to the caches. Two small tensors of host work."""
+        bs = self.block_size
+        tokens, tables = [], []
+        for r in reqs:
+            c = r.num_computed_tokens
+            tokens.append((r.token_ids[c], c, r.block_ids[c // bs] * bs + c % bs))
+            tables.append(r.block_ids[: c // bs + 1])
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        return self._step.forward(torch.tensor(tokens, dtype=torch.long), table)

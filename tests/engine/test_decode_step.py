@@ -7,6 +7,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.scheduler import SchedulerOutput
 from tandem.model.decode_step import DecodeStep
 from tandem.sampling_params import SamplingParams
 
@@ -18,18 +19,22 @@ class CheckedStep:
     compares their logits (the step rewrites the same K/V slots)."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.step, self.model = engine.runner.decode_step, engine.model
+        self.runner, self.step = engine.runner, engine.runner.decode_step
         self.max_batch = self.step.max_batch
-        self.caches = engine.kv_caches
         self.batches: list[int] = []
 
-    def __call__(self, input_ids, positions, meta):
-        rows = torch.arange(input_ids.shape[0])
-        want = self.model.forward(input_ids, positions, self.caches, meta, rows)
-        got, argmax = self.step(input_ids, positions, meta)
+    def takes(self, out: SchedulerOutput) -> bool:
+        return self.step.takes(out)
+
+    def __call__(self, reqs):
+        out = SchedulerOutput(list(reqs), [1] * len(reqs))
+        input_ids, positions, meta, _, _ = self.runner.prepare(out)
+        rows = torch.arange(len(reqs))
+        want = self.runner.model.forward(input_ids, positions, self.runner.kv_caches, meta, rows)
+        got, argmax = self.step(reqs)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         assert argmax.tolist() == got.argmax(-1).tolist()
-        self.batches.append(input_ids.shape[0])
+        self.batches.append(len(reqs))
         return got, argmax
 
 
@@ -62,14 +67,15 @@ def test_decode_step_rejects_out_of_range_inputs(tmp_path):
     engine = LLMEngine(EngineConfig(model=str(tmp_path), skip_tokenizer_init=True,
                                     kv_cache_memory="8MiB"))
     step = engine.runner.decode_step._step
-    one = torch.zeros(1, dtype=torch.long)
-    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="out of range"):
-        step.forward(torch.tensor([10**6]), one, one, table, lens)
-    with pytest.raises(RuntimeError, match="out of range"):
-        step.forward(one, one, one, table, torch.tensor([99], dtype=torch.int32))
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="out of range"):  # token id
+        step.forward(torch.tensor([[10**6, 0, 0]]), table)
+    with pytest.raises(RuntimeError, match="out of range"):  # position past the block table
+        step.forward(torch.tensor([[5, 99, 0]]), table)
+    with pytest.raises(RuntimeError, match="out of range"):  # block id
+        step.forward(torch.tensor([[5, 0, 0]]), torch.tensor([[10**6]], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="int64"):
-        step.forward(one.int(), one, one, table, lens)
+        step.forward(torch.tensor([[5, 0, 0]], dtype=torch.int32), table)
 
 
 def test_unsupported_shapes_and_refusals_fall_back_to_the_per_op_path(tmp_path, monkeypatch,
