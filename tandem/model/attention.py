@@ -48,6 +48,14 @@ class AttentionMetadata:
     prefill: AttnGroup | None
 
 
+def padded_block_table(block_tables: list[list[int]], num_blocks: int,
+                       dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """[B, num_blocks] block ids in one tensor op: each row cut to num_blocks or
+    padded with block 0 (never read: past the sequence's context)."""
+    rows = (bt[:num_blocks] for bt in block_tables)
+    return torch.tensor([r + [0] * (num_blocks - len(r)) for r in rows], dtype=dtype)
+
+
 def build_group(
     q_lens: list[int],
     ctx_lens: list[int],
@@ -66,15 +74,14 @@ def build_group(
     b = len(q_lens)
     max_q, max_ctx = max(q_lens), max(ctx_lens)
     nblk = -(-max_ctx // block_size)
-    # One tensor op for the whole table (rows padded with block 0, never read).
-    table = torch.tensor([bt[:nblk] + [0] * (nblk - len(bt[:nblk])) for bt in block_tables],
-                         dtype=torch.long)
     if fused and max_q == 1:
         return AttnGroup(
             num_tokens=b, key_slots=None, mask=None, q_index=None, out_index=None, batch=b,
-            q_len=1, block_size=block_size, block_table=table.to(device, torch.int32),
+            q_len=1, block_size=block_size,
+            block_table=padded_block_table(block_tables, nblk, torch.int32).to(device),
             context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
         )
+    table = padded_block_table(block_tables, nblk)
     offs = torch.arange(block_size, dtype=torch.long)
     key_slots = (table.unsqueeze(-1) * block_size + offs).view(b, -1)[:, :max_ctx].reshape(-1)
     ctx = torch.tensor(ctx_lens, dtype=torch.long)

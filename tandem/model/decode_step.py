@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tandem.model.attention import padded_block_table
 from tandem.model.kv_cache import KVCache
 from tandem.model.llama import LlamaModel
 
@@ -94,11 +95,10 @@ class DecodeStep:
         (the greedy token, so plain greedy sampling runs no torch op after the
         step); their new K/V go to the caches. Two small tensors of host work."""
         bs = self.block_size
-        tokens, tables = [], []
+        tokens = []
         for r in reqs:
             c = r.num_computed_tokens
             tokens.append((r.token_ids[c], c, r.block_ids[c // bs] * bs + c % bs))
-            tables.append(r.block_ids[: c // bs + 1])
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        nblk = max(c for _, c, _ in tokens) // bs + 1  # blocks of the longest context
+        table = padded_block_table([r.block_ids for r in reqs], nblk, torch.int32)
         return self._step.forward(torch.tensor(tokens, dtype=torch.long), table)

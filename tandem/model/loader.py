@@ -136,7 +136,8 @@ def fuse_weights(
     if lm is None and not cfg.tie_word_embeddings:
         raise ValueError("the weights have no lm_head.weight and tie_word_embeddings is false")
     embed = take("model.embed_tokens.weight")
-    embed = dense(embed) if lm is None else put(embed)  # tied: the embedding is the LM head
+    # Only a dense tied LM head is streamed from the embedding; else it is a row lookup.
+    embed = dense(embed) if lm is None and quantization == "none" else put(embed)
     # Quantized models get an int8 LM head (as llama.cpp's Q4/Q8 files have a
     # Q6_K/Q8_0 one): per-channel weights with activations in groups of 32
     # cost +0.003 NLL on the default model, and it is ~a third of what an int8

@@ -153,8 +153,10 @@ def measure_read_bandwidth(
     rows = max(1, nbytes // 4 // cols)
     x = torch.empty(rows, cols, dtype=torch.float32, device=device).fill_(1.0)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    probes = [x.sum]
-    if not device.startswith("cuda"):
+    probes = []
+    if device.startswith("cuda"):
+        probes.append(x.sum)
+    else:
         from tandem import _custom_ops
         from tandem.model.hugepages import HugePageArena
 
