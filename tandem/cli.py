@@ -7,7 +7,7 @@ import logging
 import sys
 
 from tandem.bench.cli import register as register_bench
-from tandem.config import EngineConfig
+from tandem.config import QUANTIZATIONS, EngineConfig
 from tandem.plan.cli import register as register_plan
 from tandem.plan.doctor_cli import register as register_doctor
 from tandem.server.args import add_server_args
@@ -34,10 +34,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto = float32 on CPU (bf16 matmuls are very slow there), "
                         "bfloat16 on CUDA")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--quantization", "-q", default="none", choices=["none", "int8", "int4"],
+    g.add_argument("--quantization", "-q", default=EngineConfig.quantization,
+                   choices=QUANTIZATIONS,
                    help="weight quantization of the layer matmuls: fewer bytes read per "
                         "decode step (int8: per-channel weights, activations in groups of "
-                        "32; int4: groups of 32)")
+                        "32; int4: groups of 32; auto: a GGUF's own formats, Q8_0 as int8, "
+                        "Q4_0/Q4_1/Q4_K as int4, other block formats as int8 groups)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context window (prompt + output); longer requests get an error, "
                         "never a silently truncated prompt")

@@ -9,6 +9,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+# Weight formats of the layer matmuls (tandem.model.linear; "auto" is
+# tandem.model.loader.fuse_weights' rule for a GGUF's own formats).
+QUANTIZATIONS = ("none", "int8", "int4", "auto")
+
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1, "b": 1,
@@ -52,7 +56,8 @@ class EngineConfig:
     load_format: str = "auto"  # auto | gguf | hf | dummy
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
-    quantization: str = "none"  # none | int8 | int4 (weight quantization of layer matmuls)
+    # none | int8 | int4 (every layer matmul) | auto (a GGUF's own block formats)
+    quantization: str = "none"
     seed: int = 0
     max_model_len: int | None = None
     block_size: int = 16
@@ -75,9 +80,10 @@ class EngineConfig:
             raise ValueError(
                 f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             )
-        if self.quantization not in ("none", "int8", "int4"):
+        if self.quantization not in QUANTIZATIONS:
             raise ValueError(
-                f"--quantization must be none, int8 or int4, got {self.quantization!r}"
+                f"--quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                f"got {self.quantization!r}"
             )
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(

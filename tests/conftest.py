@@ -38,7 +38,7 @@ def tiny_config_path(tmp_path_factory) -> str:
 def default_model_dir():
     from tandem.model.gguf import default_model_path, gguf_to_hf_dir
 
-    return gguf_to_hf_dir(default_model_path())
+    return gguf_to_hf_dir(default_model_path(), weights=True)  # fp32 safetensors for HF
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,20 @@ inline float exp_approx(float x) {
   return y * __builtin_bit_cast(float, e);
 }
 
+// GGUF's block scales are fp16, and tandem keeps quantized weights' group
+// scales in fp16 too (a quarter of int4's bytes instead of a half in fp32).
+inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+inline const uint16_t* half_ptr(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>());
+}
+
 void check_float_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name,
               " must be a float32 CPU tensor");

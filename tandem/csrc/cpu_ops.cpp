@@ -49,10 +49,10 @@ TORCH_LIBRARY(tandem, m) {
   m.class_<tandem::DecodeStep>("DecodeStep")
       .def(torch::init<at::Tensor, at::Tensor, TensorList, int64_t, int64_t, at::Tensor,
                        at::Tensor, TensorList, TensorList, TensorList, TensorList, TensorList,
-                       TensorList, TensorList, TensorList, int64_t, int64_t, int64_t, int64_t,
-                       double>())
+                       TensorList, TensorList, TensorList, std::vector<int64_t>, int64_t,
+                       int64_t, int64_t, double>())
       .def("forward", &tandem::DecodeStep::forward);
-  m.def("int8_linear(Tensor x, Tensor packed, Tensor w_scale, int N) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor w_scale, Tensor g_scale, int N) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {

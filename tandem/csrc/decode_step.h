@@ -36,14 +36,17 @@ struct DecodeStep : torch::CustomClassHolder {
   std::vector<at::Tensor> input_norm, post_norm, qkv_bias, q_norm, k_norm, caches, cache_scales;
   std::vector<StepMatmul> qkv, o, gate_up, down;
   StepMatmul lm_head;
-  at::Tensor embed, norm, cos, sin;
-  WeightKind kind;
+  at::Tensor embed, norm, cos, sin;  // embed: float32, or float16 in quantized models
   int64_t H, hkv, D, hidden, inter, vocab, block_size;
+  // Threads' shares of every layer matmul's outputs start on multiples of
+  // this: the largest unit of any layer's weight format.
+  int64_t unit = 1;
   float eps, scale;
 
   // matmuls: per layer qkv, o, gate_up, down, three tensors each (dense:
-  // the [out, in] weight and two unused; int8: packed, w_scale and one
-  // unused; int4: packed, scale, lo), all of weight kind `kind`; lm_head: the
+  // the [out, in] weight and two unused; int8: packed, w_scale, group scales
+  // or empty; int4: packed, scale, lo), of weight kinds `kinds` (one per
+  // matmul: a GGUF mixes formats, e.g. Q4_K_M's Q6_K down_proj); lm_head: the
   // LM head's three, of kind lm_kind.
   DecodeStep(at::Tensor embed_, at::Tensor norm_, std::vector<at::Tensor> lm_head_,
              int64_t lm_kind, int64_t vocab_size, at::Tensor cos_,
@@ -51,21 +54,25 @@ struct DecodeStep : torch::CustomClassHolder {
              std::vector<at::Tensor> post_norm_, std::vector<at::Tensor> matmuls,
              std::vector<at::Tensor> qkv_bias_, std::vector<at::Tensor> q_norm_,
              std::vector<at::Tensor> k_norm_, std::vector<at::Tensor> caches_,
-             std::vector<at::Tensor> cache_scales_, int64_t kind_, int64_t num_heads,
+             std::vector<at::Tensor> cache_scales_, std::vector<int64_t> kinds,
+             int64_t num_heads,
              int64_t intermediate_size, int64_t block_size_, double eps_)
       : input_norm(std::move(input_norm_)), post_norm(std::move(post_norm_)),
         qkv_bias(std::move(qkv_bias_)), q_norm(std::move(q_norm_)), k_norm(std::move(k_norm_)),
         caches(std::move(caches_)), cache_scales(std::move(cache_scales_)),
-        embed(std::move(embed_)), norm(std::move(norm_)), cos(std::move(cos_)), sin(std::move(sin_)), kind(static_cast<WeightKind>(kind_)),
+        embed(std::move(embed_)), norm(std::move(norm_)), cos(std::move(cos_)),
+        sin(std::move(sin_)),
         H(num_heads), inter(intermediate_size), block_size(block_size_),
         eps(static_cast<float>(eps_)) {
     const size_t L = caches.size();
-    TORCH_CHECK(kind_ >= 0 && kind_ <= 2 && lm_kind >= 0 && lm_kind <= 2,
+    auto known = [](int64_t k) { return k >= 0 && k <= 2; };
+    TORCH_CHECK(known(lm_kind) && std::all_of(kinds.begin(), kinds.end(), known),
                 "DecodeStep: unknown weight kind");
     TORCH_CHECK(lm_head_.size() == 3, "DecodeStep: the LM head needs three tensors");
     TORCH_CHECK(L > 0 && input_norm.size() == L && post_norm.size() == L &&
-                    matmuls.size() == 12 * L,
-                "DecodeStep: every per-layer list needs one entry per layer (matmuls: 12)");
+                    matmuls.size() == 12 * L && kinds.size() == 4 * L,
+                "DecodeStep: every per-layer list needs one entry per layer (matmuls: 12, "
+                "kinds: 4)");
     TORCH_CHECK((qkv_bias.empty() || qkv_bias.size() == L) && q_norm.size() == k_norm.size() &&
                     (q_norm.empty() || q_norm.size() == L) &&
                     (cache_scales.empty() || cache_scales.size() == L),
@@ -75,11 +82,7 @@ struct DecodeStep : torch::CustomClassHolder {
     hkv = caches[0].size(2);
     D = caches[0].size(3);
     scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-    const int64_t qkv_n = (H + 2 * hkv) * D, unit = StepMatmul::unit(kind);
-    // Threads split Q/K/V by heads and gate/up by matching rows: both must
-    // fall on whole units of the weight format.
-    TORCH_CHECK(D % unit == 0 && inter % unit == 0,
-                "DecodeStep: head size and intermediate size must be multiples of ", unit);
+    const int64_t qkv_n = (H + 2 * hkv) * D;
     auto dense = [](const at::Tensor& t, int64_t rows, int64_t cols, const char* name) {
       TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
                       t.dim() == (cols ? 2 : 1) && t.size(0) == rows &&
@@ -87,7 +90,9 @@ struct DecodeStep : torch::CustomClassHolder {
                   "DecodeStep: ", name, " must be a contiguous float32 CPU tensor of the "
                   "model's shape");
     };
-    dense(embed, embed.size(0), hidden, "embed");
+    TORCH_CHECK(embed.device().is_cpu() && embed.is_contiguous() && embed.dim() == 2 &&
+                    (embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kHalf),
+                "DecodeStep: embed must be a contiguous float32 or float16 CPU matrix");
     dense(norm, hidden, 0, "norm");
     lm_head = StepMatmul{static_cast<WeightKind>(lm_kind), lm_head_[0], lm_head_[1], lm_head_[2],
                          vocab, hidden};
@@ -96,15 +101,18 @@ struct DecodeStep : torch::CustomClassHolder {
     dense(sin, cos.size(0), D, "sin");
     for (size_t l = 0; l < L; l++) {
       const at::Tensor* m = matmuls.data() + 12 * l;
-      auto add = [&](std::vector<StepMatmul>& list, const at::Tensor* t, int64_t N, int64_t K,
+      auto add = [&](std::vector<StepMatmul>& list, int64_t i, int64_t N, int64_t K,
                      const char* name) {
-        list.push_back(StepMatmul{kind, t[0], t[1], t[2], N, K});
+        const auto kind = static_cast<WeightKind>(kinds[4 * l + i]);
+        list.push_back(StepMatmul{kind, m[3 * i], m[3 * i + 1], m[3 * i + 2], N, K});
         list.back().check(name);
       };
-      add(qkv, m, qkv_n, hidden, "qkv");
-      add(o, m + 3, hidden, H * D, "o");
-      add(gate_up, m + 6, 2 * inter, hidden, "gate_up");
-      add(down, m + 9, hidden, inter, "down");
+      add(qkv, 0, qkv_n, hidden, "qkv");
+      add(o, 1, hidden, H * D, "o");
+      add(gate_up, 2, 2 * inter, hidden, "gate_up");
+      add(down, 3, hidden, inter, "down");
+      for (const auto* list : {&qkv, &o, &gate_up, &down})
+        unit = std::max(unit, StepMatmul::unit(list->back().kind));
       dense(input_norm[l], hidden, 0, "input_norm");
       dense(post_norm[l], hidden, 0, "post_norm");
       if (!qkv_bias.empty()) dense(qkv_bias[l], qkv_n, 0, "qkv_bias");
@@ -118,6 +126,10 @@ struct DecodeStep : torch::CustomClassHolder {
       TORCH_CHECK(caches[l].size(2) == hkv && caches[l].size(3) == D,
                   "DecodeStep: every layer's cache must have the same heads");
     }
+    // Threads split Q/K/V by heads and gate/up by matching rows: both must
+    // fall on whole units of the weight formats.
+    TORCH_CHECK(D % unit == 0 && inter % unit == 0,
+                "DecodeStep: head size and intermediate size must be multiples of ", unit);
   }
 
   // tokens [B, 3] int64: each sequence's new token id, its position and its
@@ -159,11 +171,16 @@ struct DecodeStep : torch::CustomClassHolder {
     std::vector<float> part(att.partial_floats());
     std::vector<float> best_v(threads * B, -INFINITY);
     std::vector<int64_t> best_i(threads * B, -1);
-    auto logits = at::empty({B, vocab}, embed.options());
+    auto logits = at::empty({B, vocab}, norm.options());
     float* out = logits.data_ptr<float>();
     for (int64_t b = 0; b < B; b++)
-      std::memcpy(x.data() + b * hidden, embed.data_ptr<float>() + ids[b] * hidden,
-                  hidden * sizeof(float));
+      if (embed.scalar_type() == at::kFloat) {
+        std::memcpy(x.data() + b * hidden, embed.data_ptr<float>() + ids[b] * hidden,
+                    hidden * sizeof(float));
+      } else {
+        const uint16_t* row = half_ptr(embed) + ids[b] * hidden;
+        for (int64_t i = 0; i < hidden; i++) x[b * hidden + i] = half_to_float(row[i]);
+      }
 
     // Five barriers per layer, each where a stage needs every thread's
     // outputs: after Q/K/V (attention reads all heads), after attention,
@@ -184,7 +201,6 @@ struct DecodeStep : torch::CustomClassHolder {
       };
       // Q/K/V by whole heads, so this thread also norms (Qwen3), rotates and
       // caches the heads it computed.
-      const int64_t unit = StepMatmul::unit(kind);
       const auto [head0, head1] = share(H + 2 * hkv, t, nt, 1);
       const auto [h0, h1] = share(hidden, t, nt, unit);
       const auto [i0, i1] = share(inter, t, nt, unit);  // gate rows [i0, i1) and their up rows

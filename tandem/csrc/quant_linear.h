@@ -8,20 +8,21 @@ namespace tandem {
 // int4 weights for any number of rows (torch's CPU int4 matmul decodes at ~8
 // tok/s here). Group g (32 weights) of row n is 16 bytes at packed[n, 16 g]:
 // byte i holds weight 32 g + i in its low nibble and 32 g + 16 + i in its high
-// one, and the weight is q * scale[n, g] + lo[n, g] (Int4Linear's reference).
+// one, and the weight is q * scale[n, g] + lo[n, g] (Int4Linear's reference),
+// scale and lo in fp16 (GGUF's Q4_0 / Q4_1 blocks exactly: d and -8 d, or d and m).
 // Few rows (decode): the nibbles are unpacked in registers and each group's dot
 // product is scaled once, y = sum_g scale_g (q_g . x_g) + sum_g lo_g sum(x_g),
 // so the weights stream at memory speed. More rows (prefill): the weight is
 // dequantized to fp32 and multiplied by torch's GEMM.
 constexpr int64_t kInt4GemvMaxRows = 4;
 
-void int4_dequantize_rows(const uint8_t* packed, const float* scale, const float* lo, int64_t n0,
-                          int64_t n1, int64_t K, float* w) {
+void int4_dequantize_rows(const uint8_t* packed, const uint16_t* scale, const uint16_t* lo,
+                          int64_t n0, int64_t n1, int64_t K, float* w) {
   const int64_t G = K / 32;
   for (int64_t n = n0; n < n1; n++)
     for (int64_t g = 0; g < G; g++) {
       const uint8_t* by = packed + n * (K / 2) + g * 16;
-      const float s = scale[n * G + g], l = lo[n * G + g];
+      const float s = half_to_float(scale[n * G + g]), l = half_to_float(lo[n * G + g]);
       float* wg = w + n * K + g * 32;
 #pragma omp simd
       for (int i = 0; i < 16; i++) wg[i] = static_cast<float>(by[i] & 15) * s + l;
@@ -42,15 +43,14 @@ inline void int4_group_sums(const float* x, int64_t K, float* xsum) {
 }
 
 // y[n] for one row x, output rows [n0, n1); xsum [G] = per-group sums of x.
-void int4_gemv_rows(const uint8_t* packed, const float* scale, const float* lo, int64_t n0,
+void int4_gemv_rows(const uint8_t* packed, const uint16_t* scale, const uint16_t* lo, int64_t n0,
                     int64_t n1, int64_t K, const float* x, const float* xsum, float* y) {
   const int64_t G = K / 32;
   for (int64_t n = n0; n < n1; n++) {
     const uint8_t* row = packed + n * (K / 2);
-    const float* sr = scale + n * G;
+    const uint16_t* sr = scale + n * G;
     float zero_term = 0.f;
-#pragma omp simd reduction(+ : zero_term)
-    for (int64_t g = 0; g < G; g++) zero_term += lo[n * G + g] * xsum[g];
+    for (int64_t g = 0; g < G; g++) zero_term += half_to_float(lo[n * G + g]) * xsum[g];
 #ifdef __AVX512F__
     __m512 acc = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
@@ -60,7 +60,7 @@ void int4_gemv_rows(const uint8_t* packed, const float* scale, const float* lo, 
       const __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
       const __m512 t = _mm512_fmadd_ps(q1, _mm512_loadu_ps(x + g * 32 + 16),
                                        _mm512_mul_ps(q0, _mm512_loadu_ps(x + g * 32)));
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(sr[g]), t, acc);
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(half_to_float(sr[g])), t, acc);
     }
     y[n] = _mm512_reduce_add_ps(acc) + zero_term;
 #else
@@ -72,7 +72,7 @@ void int4_gemv_rows(const uint8_t* packed, const float* scale, const float* lo, 
       for (int i = 0; i < 16; i++)
         t += static_cast<float>(by[i] & 15) * x[g * 32 + i] +
              static_cast<float>(by[i] >> 4) * x[g * 32 + 16 + i];
-      acc += sr[g] * t;
+      acc += half_to_float(sr[g]) * t;
     }
     y[n] = acc + zero_term;
 #endif
@@ -87,12 +87,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                   packed.is_contiguous() && packed.size(1) == K / 2,
               "int4_linear: packed must be a contiguous uint8 [N, K / 2] with K % 32 == 0");
   TORCH_CHECK(scale.is_contiguous() && lo.is_contiguous() && scale.numel() == N * G &&
-                  lo.numel() == N * G && scale.scalar_type() == at::kFloat &&
-                  lo.scalar_type() == at::kFloat,
-              "int4_linear: scale and lo must be contiguous float32 [N, K / 32]");
+                  lo.numel() == N * G && scale.scalar_type() == at::kHalf &&
+                  lo.scalar_type() == at::kHalf,
+              "int4_linear: scale and lo must be contiguous float16 [N, K / 32]");
   const uint8_t* pp = packed.data_ptr<uint8_t>();
-  const float* sp = scale.data_ptr<float>();
-  const float* lp = lo.data_ptr<float>();
+  const uint16_t* sp = half_ptr(scale);
+  const uint16_t* lp = half_ptr(lo);
   if (M > kInt4GemvMaxRows) {
     auto w = at::empty({N, K}, x.options());
     float* wp = w.data_ptr<float>();
@@ -133,6 +133,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 // loop computes the same integers.
 // x [M, K] f32; packed [ceil(N/16), kp/4, 16, 4] uint8 (K zero-padded to kp,
 // a multiple of 32, padding weights 128 = 0); w_scale [16 ceil(N/16)].
+// Optionally the weights also have a scale per group of 32 inputs (GGUF's
+// Q8_0 blocks exactly: q * d): g_scale fp16 [ceil(N/16), kp/32, 16], each
+// tile's group scales together; then y[n] = w_scale[n] * sum_g x_scale[g] *
+// g_scale[n, g] * sum_{k in g} q_x[k] q_w[n, k].
 constexpr int64_t kInt8Group = 32;
 constexpr int64_t kInt8RowBlock = 4;
 
@@ -163,9 +167,9 @@ inline void int8_quantize_row(const float* r, int64_t K, int8_t* q, float* scale
 // (scales and sums [M, kp / 32]): out[m, n] = y (+ bias[n]) (+ out[m, n] when
 // accumulate).
 inline void int8_tiles(const int8_t* q, const float* xs, const int32_t* qs, int64_t kp, int64_t M,
-                       const uint8_t* wp, const float* w_scale, int64_t N, int64_t tile0,
-                       int64_t tile1, const float* bias, bool accumulate, float* out,
-                       int64_t os) {
+                       const uint8_t* wp, const float* w_scale, const uint16_t* gs, int64_t N,
+                       int64_t tile0, int64_t tile1, const float* bias, bool accumulate,
+                       float* out, int64_t os) {
   const int64_t kq = kp / 4, G = kp / kInt8Group;
   for (int64_t t0 = tile0; t0 < tile1; t0 += 2) {
     const int64_t nt = std::min<int64_t>(2, tile1 - t0);
@@ -189,12 +193,16 @@ inline void int8_tiles(const int8_t* q, const float* xs, const int32_t* qs, int6
             acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], wv1, av);
           }
         }
+        __m512 gv[2] = {_mm512_set1_ps(1.f), _mm512_set1_ps(1.f)};
+        for (int64_t j = 0; gs && j < nt; j++)
+          gv[j] = _mm512_cvtph_ps(_mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(gs + ((t0 + j) * G + g) * 16)));
         for (int64_t i = 0; i < mr; i++) {
           const __m512i corr = _mm512_set1_epi32(128 * qs[(m0 + i) * G + g]);
           const __m512 sv = _mm512_set1_ps(xs[(m0 + i) * G + g]);
           for (int64_t j = 0; j < nt; j++)
             facc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], corr)),
-                                         sv, facc[i][j]);
+                                         gs ? _mm512_mul_ps(sv, gv[j]) : sv, facc[i][j]);
         }
       }
       for (int64_t j = 0; j < nt; j++) {
@@ -218,9 +226,9 @@ inline void int8_tiles(const int8_t* q, const float* xs, const int32_t* qs, int6
 // The same integers without VNNI: output j of a tile, input 4 c + r, is byte
 // 64 c + 4 j + r of the tile.
 inline void int8_tiles(const int8_t* q, const float* xs, const int32_t* qs, int64_t kp, int64_t M,
-                       const uint8_t* wp, const float* w_scale, int64_t N, int64_t tile0,
-                       int64_t tile1, const float* bias, bool accumulate, float* out,
-                       int64_t os) {
+                       const uint8_t* wp, const float* w_scale, const uint16_t* gs, int64_t N,
+                       int64_t tile0, int64_t tile1, const float* bias, bool accumulate,
+                       float* out, int64_t os) {
   const int64_t kq = kp / 4, G = kp / kInt8Group;
   for (int64_t t = tile0; t < tile1; t++) {
     const uint8_t* w = wp + t * kq * 64;
@@ -236,7 +244,9 @@ inline void int8_tiles(const int8_t* q, const float* xs, const int32_t* qs, int6
           }
         const int32_t corr = 128 * qs[m * G + g];
         const float sv = xs[m * G + g];
-        for (int64_t j = 0; j < 16; j++) facc[j] += static_cast<float>(acc[j] - corr) * sv;
+        for (int64_t j = 0; j < 16; j++)
+          facc[j] += static_cast<float>(acc[j] - corr) *
+                     (gs ? sv * half_to_float(gs[(t * G + g) * 16 + j]) : sv);
       }
       const int64_t n0 = t * 16;
       for (int64_t j = 0; j < 16 && n0 + j < N; j++) {
@@ -250,8 +260,16 @@ inline void int8_tiles(const int8_t* q, const float* xs, const int32_t* qs, int6
 }
 #endif
 
+// An int8 weight's optional group scales (empty: none) checked against its layout.
+inline void check_int8_group_scales(const at::Tensor& g_scale, int64_t tiles, int64_t kp) {
+  TORCH_CHECK(g_scale.numel() == 0 ||
+                  (g_scale.scalar_type() == at::kHalf && g_scale.is_contiguous() &&
+                   g_scale.numel() == tiles * (kp / kInt8Group) * 16),
+              "int8 group scales must be float16 [ceil(N / 16), padded K / 32, 16] or empty");
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
-                       int64_t N) {
+                       const at::Tensor& g_scale, int64_t N) {
   check_float_rows(x, "x");
   const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), kq = packed.size(1);
   const int64_t kp = (K + kInt8Group - 1) / kInt8Group * kInt8Group;
@@ -262,6 +280,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() &&
                   w_scale.numel() == tiles * 16,
               "int8_linear: w_scale must be float32 with one entry per padded output");
+  check_int8_group_scales(g_scale, tiles, kp);
+  const uint16_t* gs = g_scale.numel() ? half_ptr(g_scale) : nullptr;
   auto out = at::empty({M, N}, x.options());
   const int64_t G = kp / kInt8Group;
   std::vector<int8_t> q(M * kp, 0);
@@ -274,7 +294,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   });
   at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t b, int64_t e) {
     int8_tiles(q.data(), xs.data(), qs.data(), kp, M, packed.data_ptr<uint8_t>(),
-               w_scale.data_ptr<float>(), N, b * 2, std::min(e * 2, tiles), nullptr, false,
+               w_scale.data_ptr<float>(), gs, N, b * 2, std::min(e * 2, tiles), nullptr, false,
                out.data_ptr<float>(), N);
   });
   return out;

@@ -22,7 +22,9 @@ struct StepInput {
 
 struct StepMatmul {
   WeightKind kind;
-  at::Tensor w, a, b;  // dense: w [N, K]; int8: packed, w_scale (b unused); int4: packed, scale, lo
+  // dense: w [N, K] (a, b unused); int8: packed, w_scale, group scales (b, empty when
+  // none); int4: packed, scale, lo.
+  at::Tensor w, a, b;
   int64_t N, K;
 
   // Outputs of a thread's share come in whole units of this many.
@@ -37,16 +39,17 @@ struct StepMatmul {
              w.size(1) == K;
         break;
       case WeightKind::kInt8: {
-        const int64_t tiles = (N + 15) / 16;
+        const int64_t tiles = (N + 15) / 16, kp = (K + kInt8Group - 1) / kInt8Group * kInt8Group;
         ok = ok && w.scalar_type() == at::kByte && w.dim() == 4 && w.size(0) == tiles &&
-             w.size(1) * 4 == (K + kInt8Group - 1) / kInt8Group * kInt8Group &&
-             a.scalar_type() == at::kFloat && a.numel() == tiles * 16;
+             w.size(1) * 4 == kp && a.scalar_type() == at::kFloat && a.numel() == tiles * 16;
+        if (ok) check_int8_group_scales(b, tiles, kp);
         break;
       }
       case WeightKind::kInt4:
         ok = ok && K % 32 == 0 && w.scalar_type() == at::kByte && w.dim() == 2 &&
-             w.size(0) == N && w.size(1) == K / 2 && a.scalar_type() == at::kFloat &&
-             b.scalar_type() == at::kFloat && a.numel() == N * K / 32 && b.numel() == N * K / 32;
+             w.size(0) == N && w.size(1) == K / 2 && a.scalar_type() == at::kHalf &&
+             b.scalar_type() == at::kHalf && a.numel() == N * K / 32 && b.numel() == N * K / 32 &&
+             a.is_contiguous() && b.is_contiguous();
         break;
     }
     TORCH_CHECK(ok, "DecodeStep: ", name, " does not hold a ", N, " x ", K, " matmul of kind ",
@@ -84,13 +87,13 @@ struct StepMatmul {
         return;
       case WeightKind::kInt8:
         int8_tiles(in.q.data(), in.aux.data(), in.qsum.data(), in.kp, in.M, w.data_ptr<uint8_t>(),
-                   a.data_ptr<float>(), N, n0 / 16, (n1 + 15) / 16, bias, accumulate, out, os);
+                   a.data_ptr<float>(), b.numel() ? half_ptr(b) : nullptr, N, n0 / 16, (n1 + 15) / 16, bias, accumulate, out, os);
         return;
       case WeightKind::kInt4:
         tmp.resize(n1);
         for (int64_t m = 0; m < in.M; m++) {
-          int4_gemv_rows(w.data_ptr<uint8_t>(), a.data_ptr<float>(), b.data_ptr<float>(), n0, n1,
-                         K, in.x + m * in.xs, in.aux.data() + m * K / 32, tmp.data());
+          int4_gemv_rows(w.data_ptr<uint8_t>(), half_ptr(a), half_ptr(b), n0, n1, K,
+                         in.x + m * in.xs, in.aux.data() + m * K / 32, tmp.data());
           float* o = out + m * os;
           for (int64_t n = n0; n < n1; n++) {
             const float v = tmp[n] + (bias ? bias[n] : 0.f);

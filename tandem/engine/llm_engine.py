@@ -24,7 +24,7 @@ from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Scheduler
 from tandem.model.attention import AttentionMetadata, build_group
 from tandem.model.kv_cache import kv_cache_class
-from tandem.model.loader import load_model, resolve_model_dir
+from tandem.model.loader import load_model, resolve_model
 from tandem.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.tokenizer import Tokenizer
@@ -55,9 +55,10 @@ class LLMEngine:
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
             self.dtype = _DTYPES[config.dtype]
-        self.model_dir = resolve_model_dir(config.model, config.load_format)
+        files = resolve_model(config.model, config.load_format)
+        self.model_dir = files.dir
         self.model = load_model(
-            self.model_dir, config.load_format, self.dtype, self.device, config.seed,
+            files, config.load_format, self.dtype, self.device, config.seed,
             config.quantization,
         )
         self.model_config = self.model.cfg

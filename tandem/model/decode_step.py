@@ -46,8 +46,7 @@ class DecodeStep:
     def __init__(self, model: LlamaModel, kv_caches: list[KVCache], block_size: int) -> None:
         layers = model.layers
         args = [lin.step_args for lin in _matmuls(model)]
-        kind = args[0][0]
-        self.max_batch = MAX_BATCH[kind]
+        self.max_batch = min(MAX_BATCH[kind] for kind, _ in args)
         self.block_size = block_size
         caches = [cache.kernel_args for cache in kv_caches]
         lm_kind, lm_tensors = model.lm_head.step_args
@@ -60,7 +59,8 @@ class DecodeStep:
             [layer.q_norm for layer in layers if layer.q_norm is not None],
             [layer.k_norm for layer in layers if layer.k_norm is not None],
             [cache for cache, _ in caches], [scale for _, scale in caches if scale is not None],
-            kind, model.h, model.cfg.intermediate_size, block_size, model.eps,
+            [kind for kind, _ in args], model.h, model.cfg.intermediate_size, block_size,
+            model.eps,
         )
 
     @classmethod
@@ -77,12 +77,10 @@ class DecodeStep:
 
     @staticmethod
     def supports(model: LlamaModel) -> bool:
-        """Built kernels, CPU fp32 activations (model.fused) and every layer
-        matmul of one kind the step runs (the C++ side checks the shapes)."""
-        if not model.fused or model.lm_head.step_args is None:
-            return False
-        kinds = {a[0] if a else None for a in (lin.step_args for lin in _matmuls(model))}
-        return len(kinds) == 1 and None not in kinds
+        """Built kernels, CPU fp32 activations (model.fused) and every matmul
+        of a kind the step runs (the C++ side checks the shapes)."""
+        return model.fused and all(
+            lin.step_args is not None for lin in (*_matmuls(model), model.lm_head))
 
     def takes(self, out: SchedulerOutput) -> bool:
         """Every scheduled sequence decodes one token and samples, and they fit."""

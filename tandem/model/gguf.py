@@ -1,11 +1,14 @@
-"""GGUF model files -> HF-style model directories, converted once and cached.
+"""GGUF model files: config and tokenizer extracted once, weights read in place.
 
-The engine runs fp32 PyTorch (fp32 matmul is the fast path on our CPUs, see
-DESIGN.md), so a quantized GGUF is only a compact way to ship weights: we
-dequantize it once into ``model.safetensors`` + ``config.json`` + tokenizer
-files in transformers' layout. One format downstream means the model loader,
-the tokenizer and the correctness reference (HF ``generate``) all read the same
-directory, and later starts cost milliseconds instead of a dequantization.
+``gguf_to_hf_dir`` writes ``config.json``, ``generation_config.json`` and the
+tokenizer files in transformers' layout into the cache once, so the
+tokenizer, the chat template and the model config are read the same way for
+every format. The weights are not converted: ``GGUFWeights`` reads them from
+the memory-mapped file one tensor at a time, in their own block formats
+(Q8_0 as int8 and Q4_0 / Q4_1 / Q4_K as int4 exactly, other block formats
+requantized to int8 in groups of 32, F16 / BF16 / F32 as floats), so a
+multi-GB model never has an fp32 copy. ``weights=True`` also writes an fp32
+``model.safetensors``, for HF transformers as the correctness reference.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import torch
 
 # Bump when the produced directory changes (names, config keys, files): old
 # cache entries then miss instead of being served in a stale layout.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 _ARCHITECTURES = {
     # GGUF general.architecture -> (HF model_type, HF architectures[0])
@@ -162,8 +166,11 @@ def qwen2_model_path(cache_root: str | os.PathLike | None = None) -> Path:
 # ----------------------------------------------------------------------- conversion
 
 
-def gguf_to_hf_dir(path: str | os.PathLike, cache_root: str | os.PathLike | None = None) -> Path:
-    """Convert a GGUF file to an HF model directory in the cache, once; return its path.
+def gguf_to_hf_dir(path: str | os.PathLike, cache_root: str | os.PathLike | None = None,
+                   weights: bool = False) -> Path:
+    """The GGUF's config and tokenizer as an HF model directory in the cache,
+    made once; with ``weights``, a separate directory that also holds the
+    weights dequantized to fp32 safetensors (what HF transformers loads).
 
     The cache key hashes the resolved path, size and mtime (cheap, no read of
     the file) plus FORMAT_VERSION. The directory is built under a temporary
@@ -175,9 +182,9 @@ def gguf_to_hf_dir(path: str | os.PathLike, cache_root: str | os.PathLike | None
         raise ValueError(f"GGUF file {str(path)!r} does not exist or is not a file")
     src = src.resolve()
     st = src.stat()
-    key = _hash_key([str(src), st.st_size, st.st_mtime_ns, FORMAT_VERSION])
+    key = _hash_key([str(src), st.st_size, st.st_mtime_ns, FORMAT_VERSION, weights])
     base = cache_root_dir(cache_root) / "gguf"
-    name = f"{_safe_stem(src)}-{key}"
+    name = f"{_safe_stem(src)}{'-f32' if weights else ''}-{key}"
     final = base / name
     if (final / "config.json").is_file():
         return final
@@ -190,7 +197,7 @@ def gguf_to_hf_dir(path: str | os.PathLike, cache_root: str | os.PathLike | None
         tmp = Path(tempfile.mkdtemp(dir=base, prefix=f".{name}.tmp-"))
         try:
             os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; like any cache dir
-            _convert(src, tmp)
+            _convert(src, tmp, weights)
             try:
                 os.rename(tmp, final)
             except OSError:
@@ -207,14 +214,16 @@ class _BadMetadata(ValueError):
     """A metadata value gguf cannot decode; _convert adds the file name."""
 
 
-def _convert(src: Path, dest: Path) -> None:
+def _convert(src: Path, dest: Path, weights: bool) -> None:
     try:
-        _convert_unchecked(src, dest)
+        _convert_unchecked(src, dest, weights)
     except _BadMetadata as e:
         raise ValueError(f"{src} is not a valid GGUF file: {e}") from e
 
 
-def _convert_unchecked(src: Path, dest: Path) -> None:
+def _checked(src: Path) -> tuple:
+    """(reader, config, {hf name: (tensor, heads to unpermute or None)}), every
+    tensor the model needs present and none it cannot use."""
     reader = _open_reader(src)
     arch = _str_field(reader, "general.architecture")
     if arch not in _ARCHITECTURES:
@@ -224,9 +233,15 @@ def _convert_unchecked(src: Path, dest: Path) -> None:
         )
     tensors = {t.name: t for t in reader.tensors}
     config, rope_freqs = _hf_config(reader, arch, tensors, src)
-    plan = _tensor_plan(tensors, config, arch, src, skip={rope_freqs} - {None})
+    names = _tensor_names(tensors, config, arch, src, skip={rope_freqs} - {None})
+    return reader, config, names
+
+
+def _convert_unchecked(src: Path, dest: Path, weights: bool) -> None:
+    reader, config, names = _checked(src)
     _write_tokenizer(src, dest)  # first: the likelier failure, and cheaper than the weights
-    _write_safetensors(dest / "model.safetensors", plan)
+    if weights:
+        _write_safetensors(dest / "model.safetensors", src, names)
     (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gen = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": _eos_ids(reader)}
     gen = {k: v for k, v in gen.items() if v not in (None, [])}
@@ -392,12 +407,11 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _tensor_plan(tensors: dict, config: dict, arch: str, src: Path, skip: set) -> list:
-    """[(hf_name, shape, produce)] for every tensor, checked against what the model needs."""
-    from gguf.quants import dequantize
-
+def _tensor_names(tensors: dict, config: dict, arch: str, src: Path, skip: set) -> dict:
+    """{hf_name: (tensor, heads)} for every tensor, checked against what the model
+    needs; heads: llama's Q/K rows to unpermute (their head count), else None."""
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
-    plan, unknown = [], []
+    names, unknown = {}, []
     for gname, t in tensors.items():
         if gname in skip:
             continue
@@ -415,27 +429,13 @@ def _tensor_plan(tensors: dict, config: dict, arch: str, src: Path, skip: set) -
             heads = n_heads
         elif arch == "llama" and ".attn_k." in gname:
             heads = n_kv
-        shape = [int(d) for d in reversed(t.shape)]
-
-        def produce(t=t, heads=heads, shape=shape, gname=gname):
-            try:
-                w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-            except Exception as e:  # unsupported quant type, bad block data
-                raise ValueError(
-                    f"{src}: cannot dequantize tensor {gname} ({t.tensor_type.name}): {e}"
-                ) from e
-            if list(w.shape) != shape:
-                raise ValueError(f"{src}: tensor {gname} dequantized to {w.shape}, not {shape}")
-            return _unpermute(w, heads) if heads else w
-
-        plan.append((hf, shape, produce))
+        names[hf] = (t, heads)
     if unknown:
         raise ValueError(f"{src}: unsupported tensors for {arch}: {', '.join(unknown[:8])}")
-    have = {name for name, _, _ in plan}
-    missing = sorted(_expected_names(config, arch) - have)
+    missing = sorted(_expected_names(config, arch) - set(names))
     if missing:
         raise ValueError(f"{src}: GGUF lacks tensors {', '.join(missing[:8])}")
-    return plan
+    return names
 
 
 def _expected_names(config: dict, arch: str) -> set[str]:
@@ -462,7 +462,7 @@ def _expected_names(config: dict, arch: str) -> set[str]:
     return names
 
 
-def _write_safetensors(path: Path, plan: list) -> None:
+def _write_safetensors(path: Path, src: Path, names: dict) -> None:
     """Stream a float32 safetensors file: one dequantized tensor in memory at a time.
 
     safetensors' own save_file wants the whole state dict in memory (2.5 GB for
@@ -470,7 +470,8 @@ def _write_safetensors(path: Path, plan: list) -> None:
     we write the header from the known shapes and then each tensor in turn.
     """
     header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, shape, _ in plan:
+    for name, (t, _) in names.items():
+        shape = [int(d) for d in reversed(t.shape)]
         nbytes = 4 * math.prod(shape)
         header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
@@ -479,8 +480,150 @@ def _write_safetensors(path: Path, plan: list) -> None:
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for _, _, produce in plan:
-            f.write(np.ascontiguousarray(produce(), dtype="<f4").data)
+        for t, heads in names.values():
+            w = _dequantized(src, t, heads)
+            f.write(np.ascontiguousarray(w, dtype="<f4").data)
+
+
+def _dequantized(src: Path, t, heads: int | None, data: np.ndarray | None = None
+                 ) -> np.ndarray:
+    """Tensor t as fp32 [rows, cols] (HF's orientation), Q/K rows unpermuted."""
+    from gguf.quants import dequantize
+
+    shape = [int(d) for d in reversed(t.shape)]
+    try:
+        w = np.asarray(dequantize(t.data if data is None else data, t.tensor_type),
+                       dtype=np.float32)
+    except Exception as e:  # unsupported quant type, bad block data
+        raise ValueError(
+            f"{src}: cannot dequantize tensor {t.name} ({t.tensor_type.name}): {e}") from e
+    if list(w.shape) != shape:
+        raise ValueError(f"{src}: tensor {t.name} dequantized to {w.shape}, not {shape}")
+    return _unpermute(w, heads) if heads else w
+
+
+# ------------------------------------------------------------------- weights
+
+
+class GGUFWeights:
+    """A GGUF's tensors by HF name, each read from the file when taken.
+
+    Tensors are read with plain file reads, not through the reader's memory
+    map: mapped pages count in the process's resident memory until unmapped,
+    which would hold the whole file resident beside the weights built from it.
+    One tensor's bytes (and its decoded form) are in memory at a time.
+    """
+
+    def __init__(self, src: Path) -> None:
+        self.src = src
+        try:
+            _, self.config, self._names = _checked(src)
+        except _BadMetadata as e:
+            raise ValueError(f"{src} is not a valid GGUF file: {e}") from e
+        # Are the 2-D weights stored quantized (then --quantization auto keeps them so)?
+        self.quantized = any(len(t.shape) == 2 and t.tensor_type.name not in _FLOAT_TYPES
+                             for t, _ in self._names.values())
+        self.num_tensors = len(self._names)
+        self.nbytes = sum(int(t.n_bytes) for t, _ in self._names.values())
+
+    def pop(self, name: str, *default):
+        """The tensor as a float32 torch tensor, or a QuantizedWeight for block formats."""
+        try:
+            t, heads = self._names.pop(name)
+        except KeyError:
+            if default:
+                return default[0]
+            raise
+        buf = bytearray(t.n_bytes)  # writable, so torch can take its arrays as they are
+        with open(self.src, "rb") as f:
+            f.seek(t.data_offset)
+            n = f.readinto(buf)
+        if n != t.n_bytes:
+            raise ValueError(f"{self.src}: tensor {t.name} is truncated")
+        data = np.frombuffer(buf, dtype=t.data.dtype).reshape(t.data.shape)
+        kind = t.tensor_type.name
+        if kind in _BLOCK_DECODERS and len(t.shape) == 2:
+            try:
+                parts = _BLOCK_DECODERS[kind](data)
+            except ValueError as e:
+                raise ValueError(f"{self.src}: tensor {t.name} ({kind}): {e}") from e
+            if heads:
+                parts = [_unpermute(p, heads) for p in parts]
+            return _quantized_weight(*parts)
+        w = torch.from_numpy(_dequantized(self.src, t, heads, data))
+        if kind in _FLOAT_TYPES or w.dim() != 2:
+            return w
+        # A block format without a kernel of tandem's: int8 in groups of 32.
+        from tandem.model.linear import quantize_int8_groups
+
+        return quantize_int8_groups(w)
+
+
+_FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
+
+
+def _quantized_weight(data: np.ndarray, scale: np.ndarray, lo: np.ndarray | None = None):
+    from tandem.model.linear import QuantizedWeight
+
+    kind = "int8" if data.dtype == np.int8 else "int4"
+    return QuantizedWeight(kind, torch.from_numpy(np.ascontiguousarray(data)),
+                           torch.from_numpy(np.ascontiguousarray(scale)),
+                           None if lo is None else torch.from_numpy(np.ascontiguousarray(lo)))
+
+
+def _blocks(data: np.ndarray, size: int) -> np.ndarray:
+    """[rows, bytes] of a block format -> [rows, blocks, size]."""
+    if data.ndim != 2 or data.shape[1] % size:
+        raise ValueError(f"rows of {data.shape} bytes are not whole {size}-byte blocks")
+    return data.reshape(data.shape[0], -1, size)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes -> [...] float16."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def _decode_q8_0(data: np.ndarray) -> list:
+    b = _blocks(data, 34)  # fp16 d, 32 x int8: w = d q
+    return [b[:, :, 2:].reshape(b.shape[0], -1).view(np.int8), _f16(b[:, :, :2])]
+
+
+def _decode_q4_0(data: np.ndarray) -> list:
+    b = _blocks(data, 18)  # fp16 d, 16 bytes of nibbles: w = d (q - 8)
+    d = _f16(b[:, :, :2])
+    return [b[:, :, 2:].reshape(b.shape[0], -1), d, d * np.float16(-8)]
+
+
+def _decode_q4_1(data: np.ndarray) -> list:
+    b = _blocks(data, 20)  # fp16 d, fp16 m, 16 bytes of nibbles: w = d q + m
+    return [b[:, :, 4:].reshape(b.shape[0], -1), _f16(b[:, :, :2]), _f16(b[:, :, 2:4])]
+
+
+def _decode_q4_k(data: np.ndarray) -> list:
+    """Q4_K super-blocks of 256 (fp16 d and dmin, 12 bytes of 6-bit scales and
+    mins for 8 sub-blocks of 32, 128 bytes of nibbles: sub-block 2c is chunk c's
+    low nibbles, 2c + 1 its high ones): w = d sc q - dmin m per sub-block, i.e.
+    int4 groups of 32 with scale d sc and lo -dmin m (rounded to fp16)."""
+    b = _blocks(data, 144)
+    rows, nsb = b.shape[:2]
+    d = _f16(b[:, :, 0:2]).astype(np.float32)[..., None]
+    dmin = _f16(b[:, :, 2:4]).astype(np.float32)[..., None]
+    sc_b = b[:, :, 4:16].astype(np.uint8)
+    lo4, hi4 = sc_b[..., 0:4], sc_b[..., 4:8]
+    mid = sc_b[..., 8:12]
+    sc = np.concatenate((lo4 & 63, (mid & 15) | ((lo4 >> 6) << 4)), -1).astype(np.float32)
+    m = np.concatenate((hi4 & 63, (mid >> 4) | ((hi4 >> 6) << 4)), -1).astype(np.float32)
+    qs = b[:, :, 16:].reshape(rows, nsb, 4, 32)
+    q = np.stack((qs & 15, qs >> 4), 3).reshape(rows, nsb * 8, 32)  # [rows, groups, 32]
+    packed = q[:, :, :16] | (q[:, :, 16:] << 4)
+    scale = (d * sc).reshape(rows, -1).astype(np.float16)
+    lo = (-(dmin * m)).reshape(rows, -1).astype(np.float16)
+    return [packed.reshape(rows, -1), scale, lo]
+
+
+# Block formats read as tandem's int8 / int4 blocks without requantizing.
+_BLOCK_DECODERS = {"Q8_0": _decode_q8_0, "Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1,
+                   "Q4_K": _decode_q4_k}
 
 
 def _write_tokenizer(src: Path, dest: Path) -> None:

@@ -8,21 +8,21 @@ weight ``[out, in]``.
 Quantization trades a little quality for fewer bytes read per decode step
 (the seeds' strongest lever on decode speed):
 
-* int8: symmetric, one fp32 scale per output channel. On CPU, activations are
-  quantized too (W8A8), in groups of 32 inputs with a scale each, as
-  llama.cpp's Q8_0 does (a scale per token cost +4.8% perplexity on the
-  default model, per group +0.9%). tandem's kernel multiplies them in exact
-  int32 per group (AVX-512 VNNI where the CPU has it, a portable loop
-  elsewhere), with weights packed 16 outputs x 4 inputs per 64 bytes: batch 1
-  streams them at memory speed. Without the kernels the same arithmetic runs
-  in torch, slower. On CUDA the weight is dequantized inside the matmul
-  (y = (x @ q) * scale), saving memory, not time.
-* int4: asymmetric, groups of ``group_size`` input weights with a scale and a
-  zero point each. On CPU, tandem's kernel (groups of 32) unpacks the nibbles
-  in registers for up to 4 rows (decode: 0.9-2x the speed of fp32 at an eighth
-  of the bytes) and dequantizes for torch's GEMM beyond; torch's int4-pack
-  matmul (``_weight_int4pack_mm_for_cpu``, ~10x slower at batch 1) is the
-  fallback. Elsewhere it dequantizes per call.
+* int8: symmetric, one fp32 scale per output channel when tandem quantizes a
+  float weight; from a GGUF's Q8_0 blocks (or a format requantized to int8)
+  also an fp16 scale per group of 32 inputs, so the file's values are kept
+  exactly. On CPU, activations are quantized too (W8A8), in groups of 32
+  inputs with a scale each, as llama.cpp's Q8_0 does (a scale per token cost
+  +4.8% perplexity on the default model, per group +0.9%). tandem's kernel
+  multiplies them in exact int32 per group (AVX-512 VNNI where the CPU has it,
+  a portable loop elsewhere), with weights packed 16 outputs x 4 inputs per 64
+  bytes: batch 1 streams them at memory speed. Without the kernels (or on
+  CUDA) the weight is dequantized per call: memory saved, not time.
+* int4: asymmetric, groups of 32 input weights with an fp16 scale and lo each
+  (GGUF's Q4_0 / Q4_1 blocks exactly, Q4_K's within fp16 rounding of its
+  scales). On CPU, tandem's kernel unpacks the nibbles in registers for up to
+  4 rows and dequantizes for torch's GEMM beyond. Elsewhere it dequantizes
+  per call.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import torch.nn.functional as F
 
 from tandem import _custom_ops
 
-QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP_SIZE = 32
 INT8_GROUP_SIZE = 32  # inputs per activation scale (tandem/csrc/quant_linear.h: kInt8Group)
 
@@ -92,26 +91,114 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(xg / s) * s).view(m, kp)[:, :k]
 
 
+class QuantizedWeight:
+    """A weight [out, in] in one of tandem's block formats, as a checkpoint or a
+    quantizer produced it, before it is packed for a kernel: int8 ``data`` [out, in]
+    with fp16 ``scale`` per group of 32 inputs (GGUF's Q8_0: w = q * d), or int4
+    ``data`` uint8 [out, in / 2] with fp16 ``scale`` and ``lo`` per group of 32
+    (GGUF's Q4_0 / Q4_1 nibble layout: byte i of a group holds weight i in its
+    low nibble and 16 + i in its high one; w = q * scale + lo). Rows are
+    independent, so fused matmuls concatenate them without requantizing."""
+
+    def __init__(self, kind: str, data: torch.Tensor, scale: torch.Tensor,
+                 lo: torch.Tensor | None = None) -> None:
+        self.kind, self.data, self.scale, self.lo = kind, data, scale, lo
+
+    def to(self, device: torch.device) -> QuantizedWeight:
+        lo = None if self.lo is None else self.lo.to(device)
+        return QuantizedWeight(self.kind, self.data.to(device), self.scale.to(device), lo)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, k = self.data.shape
+        return n, k * 2 if self.kind == "int4" else k
+
+    @staticmethod
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Rows of parts of one kind, in order."""
+        kind = parts[0].kind
+        if any(p.kind != kind for p in parts):
+            raise ValueError("cannot concatenate weights of different block formats")
+        if len(parts) == 1:
+            return parts[0]
+        lo = None if kind == "int8" else torch.cat([p.lo for p in parts])
+        return QuantizedWeight(kind, torch.cat([p.data for p in parts]),
+                               torch.cat([p.scale for p in parts]), lo)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight [out, in]."""
+        n, k = self.shape
+        s = self.scale.float()[..., None]
+        if self.kind == "int8":
+            return (self.data.float().view(n, -1, INT8_GROUP_SIZE) * s).view(n, k)
+        q = unpack_int4(self.data).float().view(n, -1, INT4_GROUP_SIZE)
+        return (q * s + self.lo.float()[..., None]).view(n, k)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, k / 2] in QuantizedWeight's int4 layout -> uint8 [n, k] values 0..15."""
+    n = packed.shape[0]
+    g = packed.view(n, -1, 1, 16)
+    return torch.cat((g & 15, g >> 4), 2).view(n, -1)
+
+
+def quantize_int8_groups(w: torch.Tensor) -> QuantizedWeight:
+    """Symmetric int8 in groups of 32 inputs, fp16 scale absmax / 127 each (Q8_0's
+    rule): the target for block formats tandem has no kernel of its own for."""
+    n, k = w.shape
+    if k % INT8_GROUP_SIZE:
+        raise ValueError(f"int8 groups need in_features ({k}) divisible by {INT8_GROUP_SIZE}")
+    wg = w.float().view(n, -1, INT8_GROUP_SIZE)
+    scale = (wg.abs().amax(-1) / 127.0).to(torch.float16)
+    s = scale.float().clamp_min(1e-30)[..., None]
+    q = torch.round(wg / s).clamp(-127, 127).to(torch.int8).view(n, k)
+    return QuantizedWeight("int8", q, scale)
+
+
+def quantize_int4(w: torch.Tensor) -> QuantizedWeight:
+    """Asymmetric int4 in groups of 32, fp16 scale (max - min) / 15 and lo = min
+    each (Q4_1's rule); q is rounded against the fp16 values it is stored with."""
+    n, k = w.shape
+    if k % INT4_GROUP_SIZE:
+        raise ValueError(f"int4 needs in_features ({k}) divisible by the group size "
+                         f"{INT4_GROUP_SIZE}")
+    wg = w.float().view(n, -1, INT4_GROUP_SIZE)
+    lo = wg.amin(-1).to(torch.float16)
+    scale = ((wg.amax(-1) - lo.float()) / 15.0).to(torch.float16)
+    s = scale.float().clamp_min(1e-30)[..., None]
+    q = torch.round((wg - lo.float()[..., None]) / s).clamp(0, 15).to(torch.uint8)
+    g = q.view(n, -1, 2, 16)
+    return QuantizedWeight("int4", (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2), scale, lo)
+
+
 class Int8Linear(_QuantLinear):
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        w = w.float()
-        out_f, in_f = w.shape
-        self.scale = (w.abs().amax(1) / 127.0).clamp_min(1e-12)  # [out]
+    def __init__(self, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None
+                 ) -> None:
+        """From a float weight (one fp32 scale per output channel: on the default
+        model it measured better than per group and reads fewer bytes) or from
+        int8 blocks (exact, e.g. a GGUF's Q8_0)."""
+        if isinstance(w, QuantizedWeight):
+            q, gs = w.data, w.scale
+            self.scale = torch.ones(q.shape[0], device=q.device)
+        else:
+            w, gs = w.float(), None
+            self.scale = (w.abs().amax(1) / 127.0).clamp_min(1e-12)  # [out]
+            q = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8)
+        out_f, in_f = q.shape
+        self.group_scale = gs  # fp16 [out, in / 32] or None
         self.bias = bias
-        self.cpu = w.device.type == "cpu"
-        self._nbytes = out_f * in_f + out_f * 4
-        q = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.cpu = q.device.type == "cpu"
+        self._nbytes = out_f * in_f + out_f * 4 + (0 if gs is None else gs.numel() * 2)
         self.kernel = self.cpu and _custom_ops.AVAILABLE
         if self.kernel:
             self._pack_for_kernel(q)
-        elif self.cpu:
-            self.q = q  # [out, in], for the torch reference path
         else:
-            self.qt = q.t().contiguous()  # [in, out]
+            self.q = q  # [out, in], dequantized per call (no kernel for it here)
 
     def _pack_for_kernel(self, q: torch.Tensor) -> None:
         """[out, in] int8 -> uint8 (+ 128) tiles of 16 outputs x (4 inputs per 64
-        bytes), inputs zero-padded to whole groups (tandem/csrc/quant_linear.h)."""
+        bytes), inputs zero-padded to whole groups, group scales tile by tile
+        (tandem/csrc/quant_linear.h)."""
         n, k = q.shape
         tiles, kp = -(-n // 16), -(-k // INT8_GROUP_SIZE) * INT8_GROUP_SIZE
         padded = torch.zeros(tiles * 16, kp, dtype=torch.int16)
@@ -120,20 +207,33 @@ class Int8Linear(_QuantLinear):
         self.wpack = u8.view(tiles, 16, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
         self.w_scale = torch.zeros(tiles * 16)
         self.w_scale[:n] = self.scale
+        self.g_pack = torch.empty(0, dtype=torch.float16)
+        if self.group_scale is not None:
+            gs = torch.zeros(tiles * 16, kp // INT8_GROUP_SIZE, dtype=torch.float16)
+            gs[:n] = self.group_scale
+            self.g_pack = gs.view(tiles, 16, -1).transpose(1, 2).contiguous()
         self.out_features = n
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [out, in] in fp32, as the torch paths multiply it."""
+        w = self.q.float() * self.scale[:, None].to(self.q.device)
+        if self.group_scale is None:
+            return w
+        n, k = w.shape
+        gs = self.group_scale.float()[..., None]
+        return (w.view(n, -1, INT8_GROUP_SIZE) * gs).view(n, k)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel:
             return torch.ops.tandem.int8_linear(
-                x.float(), self.wpack, self.w_scale, self.out_features).to(x.dtype)
+                x.float(), self.wpack, self.w_scale, self.g_pack, self.out_features).to(x.dtype)
         if self.cpu:  # the same arithmetic in torch (float-exact up to rounding): slower
-            w = self.q.float() * self.scale[:, None]
-            return torch.mm(quantize_activations(x.float()), w.t()).to(x.dtype)
-        return torch.mm(x, self.qt.to(x.dtype)) * self.scale.to(x.dtype)
+            return torch.mm(quantize_activations(x.float()), self.dequantize().t()).to(x.dtype)
+        return torch.mm(x, self.dequantize().to(x.dtype).t())
 
     @property
     def step_args(self) -> tuple[int, list[torch.Tensor]] | None:
-        return (1, [self.wpack, self.w_scale, self.w_scale]) if self.kernel else None  # 3rd unused
+        return (1, [self.wpack, self.w_scale, self.g_pack]) if self.kernel else None
 
     @property
     def nbytes(self) -> int:
@@ -141,48 +241,26 @@ class Int8Linear(_QuantLinear):
 
 
 class Int4Linear(_QuantLinear):
-    def __init__(
-        self, w: torch.Tensor, bias: torch.Tensor | None = None,
-        group_size: int = INT4_GROUP_SIZE,
-    ) -> None:
-        n, k = w.shape
-        if k % group_size:
-            raise ValueError(f"int4 needs in_features ({k}) divisible by the group size "
-                             f"{group_size}")
-        wg = w.float().view(n, k // group_size, group_size)
-        lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
-        scale = ((hi - lo) / 15.0).clamp_min(1e-12)
-        q = torch.round((wg - lo) / scale).clamp(0, 15).to(torch.int32).view(n, k)
-        self.group_size = group_size
+    def __init__(self, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None
+                 ) -> None:
+        """From a float weight (quantized per group of 32) or from int4 blocks
+        (exact, e.g. a GGUF's Q4_0 / Q4_1 / Q4_K)."""
+        qw = w if isinstance(w, QuantizedWeight) else quantize_int4(w)
+        n, k = qw.shape
         self.bias = bias
-        self.cpu = w.device.type == "cpu"
-        self.kernel = self.cpu and _custom_ops.AVAILABLE and group_size == 32
-        if self.kernel:  # tandem's kernel: byte i of a group = weight i | weight 16 + i << 4
-            g = q.view(n, k // 32, 2, 16).to(torch.uint8)
-            self.packed = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-            self.scale, self.lo = scale.view(n, -1).contiguous(), lo.view(n, -1).contiguous()
-        elif self.cpu:
-            # int4pack's convention: w = (q - 8) * scale + zero, so zero = lo + 8 * scale.
-            sz = torch.stack((scale.view(n, -1), (lo + 8 * scale).view(n, -1)), -1)
-            self.scales_zeros = sz.transpose(0, 1).contiguous()  # [k / group, n, 2]
-            self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-        else:
-            self.q = q.to(torch.uint8)
-            self.scale, self.lo = scale, lo
-        self._nbytes = n * k // 2 + 2 * n * (k // group_size) * 4
+        self.cpu = qw.data.device.type == "cpu"
+        self.kernel = self.cpu and _custom_ops.AVAILABLE
+        self.packed = qw.data.contiguous()  # [n, k / 2]
+        self.scale, self.lo = qw.scale.contiguous(), qw.lo.contiguous()  # fp16 [n, k / 32]
+        self._weight = qw
+        self._nbytes = n * k // 2 + 2 * n * (k // INT4_GROUP_SIZE) * 2
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel:
             return torch.ops.tandem.int4_linear(x.float(), self.packed, self.scale, self.lo).to(
                 x.dtype)
-        if self.cpu:
-            return torch._weight_int4pack_mm_for_cpu(
-                x.float(), self.packed, self.group_size, self.scales_zeros
-            ).to(x.dtype)
-        n, k = self.q.shape
-        w = (self.q.view(n, -1, self.group_size).to(x.dtype) * self.scale.to(x.dtype)
-             + self.lo.to(x.dtype)).view(n, k)
-        return torch.mm(x, w.t())
+        # No kernel here (no compiler, or CUDA): dequantized per call, memory not time saved.
+        return torch.mm(x, self._weight.dequantize().to(x.dtype).t())
 
     @property
     def step_args(self) -> tuple[int, list[torch.Tensor]] | None:
@@ -197,13 +275,17 @@ Linear = DenseLinear | Int8Linear | Int4Linear
 
 
 def make_linear(
-    w: torch.Tensor, bias: torch.Tensor | None = None, quantization: str = "none"
+    w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None,
+    quantization: str = "none",
 ) -> Linear:
+    """The Linear for a weight: float weights are quantized to ``quantization``;
+    blocks are kept as they are when the kinds match, else dequantized first."""
+    if isinstance(w, QuantizedWeight) and w.kind != quantization:
+        w = w.dequantize()
     if quantization == "int8":
         return Int8Linear(w, bias)
     if quantization == "int4":
         return Int4Linear(w, bias)
     if quantization != "none":
-        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, "
-                         f"got {quantization!r}")
+        raise ValueError(f"a weight is none, int8 or int4, not {quantization!r}")
     return DenseLinear(w, bias)

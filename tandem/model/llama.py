@@ -144,7 +144,7 @@ class LlamaModel:
         self.norm = weights["norm"]
         self.lm_head: Linear = weights["lm_head"]  # dense, or int8 in quantized models
         self.layers = [Layer(w) for w in weights["layers"]]
-        dev, dt = self.embed.device, self.embed.dtype
+        dev, dt = self.norm.device, self.norm.dtype
         pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)
         freqs = torch.outer(pos, rope_inv_freq(cfg))  # [P, D/2]
         # rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]: one op fewer than cat.
@@ -154,11 +154,12 @@ class LlamaModel:
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self.norm.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        """The activations' dtype (a quantized model's embedding is fp16, a row lookup)."""
+        return self.norm.dtype
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.fused and x.dim() == 2:
@@ -187,7 +188,7 @@ class LlamaModel:
         if not fused:
             cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
             sin = self.sin.index_select(0, positions).unsqueeze(1)
-        x = self.embed.index_select(0, input_ids)
+        x = self.embed.index_select(0, input_ids).to(self.dtype)
         slots = meta.slot_mapping
         for layer, cache in zip(self.layers, kv_caches):
             qkv = layer.qkv(self._rms_norm(x, layer.input_norm)).view(t, h + 2 * hkv, d)
@@ -221,8 +222,8 @@ class LlamaModel:
         )
         head = self.lm_head
         tied = isinstance(head, DenseLinear) and head.w.data_ptr() == self.embed.data_ptr()
-        embed = 0 if tied else self.embed.numel()
-        return self.weight_bytes + (embed + norms) * self.embed.element_size()
+        embed = 0 if tied else self.embed.numel() * self.embed.element_size()
+        return self.weight_bytes + embed + norms * self.norm.element_size()
 
     @property
     def weight_bytes(self) -> int:

@@ -1,45 +1,62 @@
-"""Resolve a model argument to (config, weights): GGUF file, HF directory or dummy.
+"""Resolve a model argument to its files, and load its weights into LlamaModel.
 
-A GGUF file is converted once to an HF-style directory in the cache (see
-tandem.model.gguf), so every format ends in the same path: config.json plus
-safetensors with HF names, fused here into the layout LlamaModel runs on.
-``--load-format dummy`` fills any config.json with random weights, so large
-configs can be benchmarked without their weights.
+Three weight sources, each read one tensor at a time so a model is never
+held twice (nor in fp32 when it is stored smaller): a GGUF file (read in its
+own block formats, see tandem.model.gguf; its config and tokenizer come from
+a directory extracted once into the cache), an HF directory (config.json +
+safetensors, memory-mapped) or, with ``--load-format dummy``, random weights
+for any config.json, so large configs can be benchmarked without weights.
+``fuse_weights`` turns them, layer by layer, into the layout LlamaModel runs.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
+import time
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from tandem.model.gguf import default_model_path, gguf_to_hf_dir
+from tandem.model.gguf import GGUFWeights, default_model_path, gguf_to_hf_dir
 from tandem.model.hugepages import HugePageArena
-from tandem.model.linear import DenseLinear, Linear, make_linear
+from tandem.model.linear import DenseLinear, Linear, QuantizedWeight, make_linear
 from tandem.model.llama import LlamaModel, ModelConfig
 
 logger = logging.getLogger(__name__)
 
 
-def resolve_model_dir(model: str | None, load_format: str) -> Path:
-    """An HF-style directory (or, for dummy, a dir or config.json) for the argument."""
+@dataclass(frozen=True)
+class ModelFiles:
+    """dir: config.json and the tokenizer (for dummy, maybe config.json itself);
+    gguf: the GGUF file the weights are read from, if the model is one."""
+
+    dir: Path
+    gguf: Path | None = None
+
+
+def resolve_model(model: str | None, load_format: str) -> ModelFiles:
+    """The files for the model argument (a GGUF's config and tokenizer extracted once)."""
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise ValueError(f"model path {str(path)!r} does not exist (give a GGUF file or an HF "
                          "model directory with config.json)")
     is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
     if load_format == "gguf" or (load_format == "auto" and is_gguf):
-        return gguf_to_hf_dir(path)
+        return ModelFiles(gguf_to_hf_dir(path), path)
     if load_format == "dummy" and path.is_file() and path.name.endswith(".json"):
-        return path
+        return ModelFiles(path)
+    if load_format == "dummy" and is_gguf:
+        return ModelFiles(gguf_to_hf_dir(path))
     if not path.is_dir():
         raise ValueError(f"model path {str(path)!r} is neither a .gguf file nor a directory")
     if not (path / "config.json").exists():
         raise ValueError(f"{str(path)!r} has no config.json")
-    return path
+    return ModelFiles(path)
 
 
 def read_hf_config(model_dir: Path) -> dict:
@@ -50,75 +67,137 @@ def read_hf_config(model_dir: Path) -> dict:
         raise ValueError(f"cannot read {cfg_path}: {e}") from None
 
 
-def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{str(model_dir)!r} has no *.safetensors weights")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as st:
+class SafetensorsWeights:
+    """An HF directory's safetensors tensors by name, each read when taken."""
+
+    quantized = False
+
+    def __init__(self, model_dir: Path) -> None:
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{str(model_dir)!r} has no *.safetensors weights")
+        self._where: dict[str, object] = {}
+        self.nbytes = 0
+        for f in files:
+            try:
+                st = safe_open(str(f), framework="pt")
                 for name in st.keys():
-                    tensors[name] = st.get_tensor(name)
-        except Exception as e:  # safetensors raises its own error types
-            raise ValueError(f"cannot read weights {f}: {e}") from None
-    return tensors
+                    self._where[name] = st
+            except Exception as e:  # safetensors raises its own error types
+                raise ValueError(f"cannot read weights {f}: {e}") from None
+            self.nbytes += f.stat().st_size
+        self.num_tensors = len(self._where)
+
+    def pop(self, name: str, *default) -> torch.Tensor:
+        st = self._where.pop(name, None)
+        if st is None:
+            if default:
+                return default[0]
+            raise KeyError(name)
+        return st.get_tensor(name)
 
 
-def _dummy_weights(cfg: ModelConfig, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
-    """Random HF-named weights with the shapes of cfg (std 0.02, norms 1)."""
-    g = torch.Generator().manual_seed(seed)
-    hd, hidden, inter = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
-    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+class DummyWeights:
+    """Random HF-named weights with the shapes of cfg (std 0.02, norms 1), each
+    made when taken (seeded by name, so the order of taking does not matter)."""
 
-    def rnd(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * 0.02).to(dtype)
+    quantized = False
 
-    w = {"model.embed_tokens.weight": rnd(cfg.vocab_size, hidden),
-         "model.norm.weight": torch.ones(hidden, dtype=dtype)}
-    if not cfg.tie_word_embeddings:
-        w["lm_head.weight"] = rnd(cfg.vocab_size, hidden)
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        w[p + "self_attn.q_proj.weight"] = rnd(nh * hd, hidden)
-        w[p + "self_attn.k_proj.weight"] = rnd(nkv * hd, hidden)
-        w[p + "self_attn.v_proj.weight"] = rnd(nkv * hd, hidden)
-        w[p + "self_attn.o_proj.weight"] = rnd(hidden, nh * hd)
-        if cfg.attention_bias:
-            for n, k in (("q", nh), ("k", nkv), ("v", nkv)):
-                w[p + f"self_attn.{n}_proj.bias"] = rnd(k * hd)
-        if cfg.qk_norm:
-            w[p + "self_attn.q_norm.weight"] = torch.ones(hd, dtype=dtype)
-            w[p + "self_attn.k_norm.weight"] = torch.ones(hd, dtype=dtype)
-        w[p + "mlp.gate_proj.weight"] = rnd(inter, hidden)
-        w[p + "mlp.up_proj.weight"] = rnd(inter, hidden)
-        w[p + "mlp.down_proj.weight"] = rnd(hidden, inter)
-        w[p + "input_layernorm.weight"] = torch.ones(hidden, dtype=dtype)
-        w[p + "post_attention_layernorm.weight"] = torch.ones(hidden, dtype=dtype)
-    return w
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, seed: int) -> None:
+        self.dtype, self.seed = dtype, seed
+        hd, hidden, inter = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+        nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        s = {"model.embed_tokens.weight": (cfg.vocab_size, hidden), "model.norm.weight": (hidden,)}
+        if not cfg.tie_word_embeddings:
+            s["lm_head.weight"] = (cfg.vocab_size, hidden)
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            s[p + "self_attn.q_proj.weight"] = (nh * hd, hidden)
+            s[p + "self_attn.k_proj.weight"] = (nkv * hd, hidden)
+            s[p + "self_attn.v_proj.weight"] = (nkv * hd, hidden)
+            s[p + "self_attn.o_proj.weight"] = (hidden, nh * hd)
+            if cfg.attention_bias:
+                for n, k in (("q", nh), ("k", nkv), ("v", nkv)):
+                    s[p + f"self_attn.{n}_proj.bias"] = (k * hd,)
+            if cfg.qk_norm:
+                s[p + "self_attn.q_norm.weight"] = (hd,)
+                s[p + "self_attn.k_norm.weight"] = (hd,)
+            s[p + "mlp.gate_proj.weight"] = (inter, hidden)
+            s[p + "mlp.up_proj.weight"] = (inter, hidden)
+            s[p + "mlp.down_proj.weight"] = (hidden, inter)
+            s[p + "input_layernorm.weight"] = (hidden,)
+            s[p + "post_attention_layernorm.weight"] = (hidden,)
+        self._shapes = s
+        self.num_tensors = len(s)
+        self.nbytes = 0
+
+    def pop(self, name: str, *default) -> torch.Tensor:
+        shape = self._shapes.pop(name, None)
+        if shape is None:
+            if default:
+                return default[0]
+            raise KeyError(name)
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=self.dtype)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+        return (torch.randn(*shape, generator=g) * 0.02).to(self.dtype)
+
+
+WeightSource = GGUFWeights | SafetensorsWeights | DummyWeights
+
+
+class _Progress:
+    """Loading progress: a tqdm bar on a terminal, else a log line every few seconds."""
+
+    def __init__(self, total: int, what: str) -> None:
+        self.total, self.done, self.t0, self.last = total, 0, time.monotonic(), time.monotonic()
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=what, unit="layer", leave=False)
+        self.what = what
+
+    def step(self) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if self.bar is not None:
+            self.bar.update(1)
+        elif now - self.last >= 5.0 or self.done == self.total:
+            self.last = now
+            logger.info("%s: %d/%d layers (%.0f s)", self.what, self.done, self.total,
+                        now - self.t0)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def fuse_weights(
     cfg: ModelConfig,
-    hf: dict[str, torch.Tensor],
+    src: WeightSource,
     dtype: torch.dtype,
     device: torch.device,
     quantization: str = "none",
 ) -> dict:
-    """HF-named tensors -> LlamaModel's fused layout (consumes hf).
+    """Tensors taken from src -> LlamaModel's fused layout, layer by layer.
 
-    Q/K/V become one matmul and gate/up another. With quantization, every
-    layer matmul is quantized, the LM head to int8 whatever the layers' kind,
-    and the embedding stays dense (a row lookup, not a matmul).
+    Q/K/V become one matmul and gate/up another. ``quantization``: "none"
+    (float), "int8" / "int4" (every layer matmul; the LM head int8), or
+    "auto": what the source holds (a GGUF's block formats, each fused matmul
+    in its widest part's format, the LM head in its own; float sources stay
+    float). A quantized model keeps its embedding in fp16 for the row lookup.
     """
 
-    def take(name: str) -> torch.Tensor:
+    def take(name: str) -> torch.Tensor | QuantizedWeight:
         try:
-            return hf.pop(name)
+            return src.pop(name)
         except KeyError:
             raise ValueError(f"the weights have no tensor {name!r}") from None
 
-    def put(t: torch.Tensor) -> torch.Tensor:
+    def put(t: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        if isinstance(t, QuantizedWeight):
+            t = t.dequantize()
         return t.to(device=device, dtype=dtype).contiguous()
 
     # Dense matmul weights on CPU go to huge pages (decode streams them ~4%
@@ -128,36 +207,59 @@ def fuse_weights(
     def dense(t: torch.Tensor) -> torch.Tensor:
         return arena.copy(put(t)) if arena is not None else put(t)
 
-    def lin(w: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-        w = dense(w) if quantization == "none" else put(w)
-        return make_linear(w, None if bias is None else put(bias), quantization)
+    def target(parts: list) -> str:
+        if quantization != "auto":
+            return quantization
+        kinds = {p.kind for p in parts if isinstance(p, QuantizedWeight)}
+        return "none" if not kinds else "int8" if "int8" in kinds else "int4"
 
-    lm = hf.pop("lm_head.weight", None)
+    def lin(parts: list, bias: torch.Tensor | None = None, kind: str | None = None) -> Linear:
+        kind = kind or target(parts)
+        bias = None if bias is None else put(bias)
+        if kind == "none":
+            return DenseLinear(dense(torch.cat([put(p) for p in parts])), bias)
+        if all(isinstance(p, QuantizedWeight) and p.kind == kind for p in parts):
+            return make_linear(QuantizedWeight.cat(parts).to(device), bias, kind)
+        return make_linear(torch.cat([put(p) for p in parts]), bias, kind)
+
+    quantized = quantization in ("int8", "int4") or (quantization == "auto" and src.quantized)
+    lm = src.pop("lm_head.weight", None)
     if lm is None and not cfg.tie_word_embeddings:
         raise ValueError("the weights have no lm_head.weight and tie_word_embeddings is false")
-    embed = take("model.embed_tokens.weight")
-    # Only a dense tied LM head is streamed from the embedding; else it is a row lookup.
-    embed = dense(embed) if lm is None and quantization == "none" else put(embed)
-    # Quantized models get an int8 LM head (as llama.cpp's Q4/Q8 files have a
-    # Q6_K/Q8_0 one): per-channel weights with activations in groups of 32
-    # cost +0.003 NLL on the default model, and it is ~a third of what an int8
-    # step reads otherwise. The row lookup keeps the float embedding.
-    if quantization == "none":
+    embed_w = take("model.embed_tokens.weight")
+    if not quantized:
+        # A tied dense LM head is the embedding itself, streamed: in huge pages.
+        embed = dense(embed_w) if lm is None else put(embed_w)
         lm_head: Linear = DenseLinear(embed if lm is None else dense(lm))
     else:
-        lm_head = make_linear(embed if lm is None else put(lm), None, "int8")
+        # Quantized models get a quantized LM head: "auto" keeps a GGUF's own
+        # format (Q8_0, Q6_K as int8 groups, ...); int8 / int4 make it int8 (as
+        # llama.cpp's Q4/Q8 files have a Q6_K/Q8_0 one): per-channel weights
+        # with activations in groups of 32 cost +0.003 NLL on the default
+        # model, and it is ~a third of what an int8 step reads otherwise.
+        head = embed_w if lm is None else lm
+        head_kind = (head.kind if quantization == "auto" and isinstance(head, QuantizedWeight)
+                     else "int8")
+        lm_head = lin([head], kind=head_kind)
+        del head, lm
+        # The row lookup reads one row a token: fp16 halves an fp32 table
+        # (1 GB of a Llama-3 8B) for a rounding far below the weights' own.
+        emb = embed_w.dequantize() if isinstance(embed_w, QuantizedWeight) else embed_w
+        embed = emb.to(device=device, dtype=torch.float16 if dtype == torch.float32 else dtype)
+    del embed_w
+    progress = _Progress(cfg.num_hidden_layers, "loading weights")
     layers = []
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         qkv_bias = None
         if cfg.attention_bias:
-            qkv_bias = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
+            qkv_bias = torch.cat([put(take(a + f"{n}_proj.bias")) for n in "qkv"])
         w = {
-            "qkv": lin(torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]), qkv_bias),
-            "o": lin(take(a + "o_proj.weight")),
-            "gate_up": lin(torch.cat((take(m + "gate_proj.weight"), take(m + "up_proj.weight")))),
-            "down": lin(take(m + "down_proj.weight")),
+            "qkv": lin([take(a + f"{n}_proj.weight") for n in "qkv"], qkv_bias),
+            "o": lin([take(a + "o_proj.weight")]),
+            "gate_up": lin([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]),
+            "down": lin([take(m + "down_proj.weight")]),
             "input_layernorm": put(take(p + "input_layernorm.weight")),
             "post_attention_layernorm": put(take(p + "post_attention_layernorm.weight")),
         }
@@ -165,21 +267,26 @@ def fuse_weights(
             w["q_norm"] = put(take(a + "q_norm.weight"))
             w["k_norm"] = put(take(a + "k_norm.weight"))
         layers.append(w)
+        progress.step()
+    progress.close()
     return {"embed": embed, "norm": put(take("model.norm.weight")), "lm_head": lm_head,
             "layers": layers}
 
 
 def load_model(
-    model_dir: Path,
+    files: ModelFiles,
     load_format: str,
     dtype: torch.dtype,
     device: torch.device,
     seed: int = 0,
     quantization: str = "none",
 ) -> LlamaModel:
-    cfg = ModelConfig.from_hf(read_hf_config(model_dir))
+    cfg = ModelConfig.from_hf(read_hf_config(files.dir))
+    src: WeightSource
     if load_format == "dummy":
-        hf = _dummy_weights(cfg, dtype, seed)
+        src = DummyWeights(cfg, dtype, seed)
+    elif files.gguf is not None:
+        src = GGUFWeights(files.gguf)
     else:
-        hf = _read_safetensors(model_dir)
-    return LlamaModel(cfg, fuse_weights(cfg, hf, dtype, device, quantization))
+        src = SafetensorsWeights(files.dir)
+    return LlamaModel(cfg, fuse_weights(cfg, src, dtype, device, quantization))

@@ -40,7 +40,7 @@ def cache_root(tmp_path_factory) -> Path:
 def smollm(cache_root):
     path = tg.default_model_path()
     t0 = time.perf_counter()
-    out = tg.gguf_to_hf_dir(path, cache_root=cache_root)
+    out = tg.gguf_to_hf_dir(path, cache_root=cache_root, weights=True)
     return path, out, time.perf_counter() - t0
 
 
@@ -53,13 +53,22 @@ def _hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def _assert_same_weights(out: Path, ref: dict[str, torch.Tensor], tied: bool) -> None:
+def _assert_same_weights(out: Path, ref: dict[str, torch.Tensor], tied: bool,
+                         src: Path | None = None) -> None:
+    """The fp32 safetensors, and (given src) what the engine reads from the GGUF in
+    its own block formats, dequantized: bit for bit transformers' weights."""
     mine = load_file(str(out / "model.safetensors"))
     expected = set(ref) - ({"lm_head.weight"} if tied else set())
     assert set(mine) == expected
     for name, tensor in mine.items():
         assert tensor.dtype == torch.float32, name
         assert torch.equal(tensor, ref[name]), name
+    if src is not None:
+        native = tg.GGUFWeights(src)
+        for name in expected:
+            t = native.pop(name)
+            t = t if isinstance(t, torch.Tensor) else t.dequantize()
+            assert torch.equal(t, ref[name]), name
 
 
 # ------------------------------------------------------------------ the real model
@@ -89,6 +98,13 @@ def test_config_matches_gguf_metadata(smollm):
     # transformers reads it as written (rope_theta lands in its rope_parameters).
     hf = AutoConfig.from_pretrained(str(out))
     assert hf.rope_parameters["rope_theta"] == 100000.0 and hf.head_dim == 64
+
+
+def test_engine_dir_has_config_and_tokenizer_but_no_weights(smollm, cache_root):
+    out = tg.gguf_to_hf_dir(smollm[0], cache_root=cache_root)
+    assert out != smollm[1] and not (out / "model.safetensors").exists()
+    assert {"config.json", "tokenizer.json", "generation_config.json"} <= {
+        p.name for p in out.iterdir()}
 
 
 def test_weights_equal_transformers_gguf_loading(smollm):
@@ -132,7 +148,7 @@ def test_second_call_is_cached_and_does_not_rewrite(smollm, cache_root):
     path, out, first = smollm
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
     t0 = time.perf_counter()
-    again = tg.gguf_to_hf_dir(path, cache_root=cache_root)
+    again = tg.gguf_to_hf_dir(path, cache_root=cache_root, weights=True)
     elapsed = time.perf_counter() - t0
     assert again == out
     assert elapsed < 0.1, f"cached call took {elapsed:.3f}s (first conversion {first:.1f}s)"
@@ -230,7 +246,11 @@ def _write_tiny_gguf(
     ffn=96,
     tied=True,
     rope_freqs=False,
+    qtype="F32",
+    std=1.0,
 ) -> Path:
+    """qtype: the 2-D weights' GGML type, or a function of the tensor name to it;
+    std: of the random 2-D weights (norm weights stay N(0, 1))."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -264,26 +284,39 @@ def _write_tiny_gguf(
     def rand(*shape):  # numpy (torch) order; the writer reverses dims for GGUF
         return rng.standard_normal(shape).astype(np.float32)
 
-    w.add_tensor("token_embd.weight", rand(vocab, hidden))
+    def mat(*shape, name=""):  # a 2-D weight in its qtype (quantized bytes are written as is)
+        from gguf.quants import quantize
+
+        kind = qtype if isinstance(qtype, str) else qtype(name)
+        a = rand(*shape) * np.float32(std)
+        return (a, None) if kind == "F32" else (quantize(a, gguf.GGMLQuantizationType[kind]),
+                                                 gguf.GGMLQuantizationType[kind])
+
+    def _q(pair):  # (array, raw_dtype) as add_tensor's arguments
+        a, t = pair
+        return (a,) if t is None else (a, None, t)
+
+    w.add_tensor("token_embd.weight", *_q(mat(vocab, hidden, name="token_embd")))
     w.add_tensor("output_norm.weight", rand(hidden))
     if not tied:
-        w.add_tensor("output.weight", rand(vocab, hidden))
+        w.add_tensor("output.weight", *_q(mat(vocab, hidden, name="output")))
     if rope_freqs:
         w.add_tensor("rope_freqs.weight", _llama3_freq_factors(head_dim, 500000.0))
     for i in range(layers):
         b = f"blk.{i}."
         w.add_tensor(b + "attn_norm.weight", rand(hidden))
         w.add_tensor(b + "ffn_norm.weight", rand(hidden))
-        w.add_tensor(b + "attn_q.weight", rand(heads * head_dim, hidden))
-        w.add_tensor(b + "attn_k.weight", rand(kv * head_dim, hidden))
-        w.add_tensor(b + "attn_v.weight", rand(kv * head_dim, hidden))
-        w.add_tensor(b + "attn_output.weight", rand(hidden, heads * head_dim))
+        w.add_tensor(b + "attn_q.weight", *_q(mat(heads * head_dim, hidden, name="attn_q")))
+        w.add_tensor(b + "attn_k.weight", *_q(mat(kv * head_dim, hidden, name="attn_k")))
+        w.add_tensor(b + "attn_v.weight", *_q(mat(kv * head_dim, hidden, name="attn_v")))
+        w.add_tensor(b + "attn_output.weight",
+                     *_q(mat(hidden, heads * head_dim, name="attn_output")))
         if arch == "qwen3":
             w.add_tensor(b + "attn_q_norm.weight", rand(head_dim))
             w.add_tensor(b + "attn_k_norm.weight", rand(head_dim))
-        w.add_tensor(b + "ffn_gate.weight", rand(ffn, hidden))
-        w.add_tensor(b + "ffn_up.weight", rand(ffn, hidden))
-        w.add_tensor(b + "ffn_down.weight", rand(hidden, ffn))
+        w.add_tensor(b + "ffn_gate.weight", *_q(mat(ffn, hidden, name="ffn_gate")))
+        w.add_tensor(b + "ffn_up.weight", *_q(mat(ffn, hidden, name="ffn_up")))
+        w.add_tensor(b + "ffn_down.weight", *_q(mat(hidden, ffn, name="ffn_down")))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -296,11 +329,11 @@ def test_tiny_qwen3_matches_transformers(tmp_path):
     src = _write_tiny_gguf(
         tmp_path / "tiny-qwen3.gguf", "qwen3", heads=2, kv=1, head_dim=128, hidden=64, tied=False
     )
-    out = tg.gguf_to_hf_dir(src, cache_root=tmp_path / "cache")
+    out = tg.gguf_to_hf_dir(src, cache_root=tmp_path / "cache", weights=True)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["head_dim"] == 128
     assert cfg["tie_word_embeddings"] is False and cfg["attention_bias"] is False
-    _assert_same_weights(out, _hf_state_dict(src), tied=False)
+    _assert_same_weights(out, _hf_state_dict(src), tied=False, src=src)
     tok = Tokenizer.from_dir(out)
     assert tok.encode(" the the") == [258, 258]
     assert tok.stop_token_ids == [tok.eos_token_id, tok.bos_token_id]  # <|endoftext|> ends too
@@ -311,7 +344,7 @@ def test_tiny_qwen3_matches_transformers(tmp_path):
 
 def test_tiny_llama_gqa_unpermute_and_llama3_rope(tmp_path):
     src = _write_tiny_gguf(tmp_path / "tiny-llama.gguf", "llama", heads=4, kv=2, rope_freqs=True)
-    out = tg.gguf_to_hf_dir(src, cache_root=tmp_path / "cache")
+    out = tg.gguf_to_hf_dir(src, cache_root=tmp_path / "cache", weights=True)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["rope_scaling"] == {
         "rope_type": "llama3",
@@ -321,7 +354,40 @@ def test_tiny_llama_gqa_unpermute_and_llama3_rope(tmp_path):
         "original_max_position_embeddings": 8192,
     }
     # transformers ignores rope_freqs.weight; everything else must match bit for bit.
-    _assert_same_weights(out, _hf_state_dict(src), tied=True)
+    _assert_same_weights(out, _hf_state_dict(src), tied=True, src=src)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_block_formats_are_read_exactly(tmp_path, qtype):
+    """Q8_0 as int8 groups and Q4_0 / Q4_1 as int4 groups, Q/K rows unpermuted:
+    dequantized, bit for bit what transformers loads."""
+    src = _write_tiny_gguf(tmp_path / "q.gguf", "llama", heads=4, kv=2, hidden=64, ffn=96,
+                           qtype=qtype)
+    out = tg.gguf_to_hf_dir(src, cache_root=tmp_path / "cache", weights=True)
+    native = tg.GGUFWeights(src)
+    assert native.quantized
+    kind = native.pop("model.layers.0.self_attn.q_proj.weight").kind
+    assert kind == ("int8" if qtype == "Q8_0" else "int4")
+    _assert_same_weights(out, _hf_state_dict(src), tied=True, src=src)
+
+
+def test_q4_k_super_blocks_decode_to_int4_groups():
+    """Q4_K's 6-bit sub-block scales and mins unpacked by tandem agree with
+    gguf's own dequantization (up to the fp16 rounding of each group's scale)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(0)
+    rows, blocks = 3, 2
+    raw = rng.integers(0, 256, (rows, blocks, 144), dtype=np.uint8)
+    d = (rng.random((rows, blocks, 2)) * 0.01).astype(np.float16)
+    raw[:, :, 0:4] = d.view(np.uint8).reshape(rows, blocks, 4)
+    data = raw.reshape(rows, -1)
+    ref = dequantize(data, GGMLQuantizationType.Q4_K)
+    parts = tg._BLOCK_DECODERS["Q4_K"](data)
+    mine = tg._quantized_weight(*parts).dequantize().numpy()
+    assert mine.shape == ref.shape == (rows, 256 * blocks)
+    np.testing.assert_allclose(mine, ref, rtol=2e-3, atol=1e-6 + 2e-3 * np.abs(ref).max())
 
 
 def test_unsupported_architecture_is_named(tmp_path):
@@ -343,7 +409,7 @@ def test_concurrent_converters_produce_one_complete_dir(tmp_path):
 
     def convert():
         try:
-            results.append(tg.gguf_to_hf_dir(src, cache_root=tmp_path / "cache"))
+            results.append(tg.gguf_to_hf_dir(src, cache_root=tmp_path / "cache", weights=True))
         except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
 

@@ -6,7 +6,17 @@ import pytest
 import torch
 
 from tandem import _custom_ops
-from tandem.model.linear import DenseLinear, Int4Linear, Int8Linear, make_linear
+from tandem.model.linear import (
+    DenseLinear,
+    Int4Linear,
+    Int8Linear,
+    QuantizedWeight,
+    make_linear,
+    quantize_activations,
+    quantize_int4,
+    quantize_int8_groups,
+    unpack_int4,
+)
 
 torch.manual_seed(0)
 
@@ -41,22 +51,55 @@ def test_int8_matches_dequantized_reference():
     assert (deq - w).abs().max() <= lin.scale.max() / 2 + 1e-7  # rounding, not worse
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["tandem-kernel", "torch-int4pack"])
+@pytest.mark.parametrize("kernel", [True, False], ids=["tandem-kernel", "torch"])
 def test_int4_matches_dequantized_reference_exactly(kernel, monkeypatch):
     if not kernel:
         monkeypatch.setattr(_custom_ops, "AVAILABLE", False)
     w, b = weights()
-    lin = Int4Linear(w, b, group_size=32)
+    lin = Int4Linear(w, b)
     assert lin.kernel == kernel
     wg = w.view(96, 4, 32)
-    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
-    scale = (hi - lo) / 15
+    # Scale and lo are stored in fp16 (GGUF's Q4_1 blocks), q rounded against them.
+    lo = wg.amin(-1, keepdim=True).half().float()
+    scale = ((wg.amax(-1, keepdim=True) - lo) / 15).half().float()
     deq = (torch.round((wg - lo) / scale).clamp(0, 15) * scale + lo).view(96, 128)
     for rows in (1, 3, 4, 5, 17):  # the kernel's register path up to 4 rows, GEMM beyond
         x = torch.randn(rows, 128)
         torch.testing.assert_close(lin(x), x @ deq.t() + b, atol=1e-4, rtol=1e-4)
-    assert (deq - w).abs().max() <= scale.max() / 2 + 1e-6
-    assert lin.nbytes == w.numel() // 2 + 96 * 4 * 2 * 4  # nibbles + fp32 scale, zero / 32
+    assert (deq - w).abs().max() <= scale.max() / 2 + 1e-3
+    assert lin.nbytes == w.numel() // 2 + 96 * 4 * 2 * 2  # nibbles + fp16 scale, lo / 32
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["tandem-kernel", "torch"])
+def test_int8_blocks_keep_group_scales_exactly(kernel, monkeypatch):
+    """int8 blocks with a scale per group of 32 (a GGUF's Q8_0) multiply as their
+    dequantized weight with W8A8's per-group activations, kernel and torch alike."""
+    if not kernel:
+        monkeypatch.setattr(_custom_ops, "AVAILABLE", False)
+    w, b = weights(40, 96)  # 40 outputs: a partial tile of 16
+    qw = quantize_int8_groups(w)
+    assert qw.scale.dtype == torch.float16 and qw.scale.shape == (40, 3)
+    deq = qw.dequantize()
+    assert (deq - w).abs().max() <= qw.scale.float().max() / 2 + 1e-6
+    lin = Int8Linear(qw, b)
+    assert lin.kernel == kernel and lin.nbytes == 40 * 96 + 40 * 4 + 40 * 3 * 2
+    for rows in (1, 5):
+        x = torch.randn(rows, 96)
+        ref = quantize_activations(x).double() @ deq.double().t() + b.double()
+        torch.testing.assert_close(lin(x).double(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_quantized_weight_rows_concatenate_and_round_trip():
+    w = torch.randn(48, 64) * 0.05
+    for quantize in (quantize_int4, quantize_int8_groups):
+        parts = [quantize(w[:16]), quantize(w[16:])]
+        whole = QuantizedWeight.cat(parts)
+        assert whole.shape == (48, 64)
+        torch.testing.assert_close(whole.dequantize(), quantize(w).dequantize())
+    q4 = quantize_int4(w)
+    assert unpack_int4(q4.data).max() <= 15
+    with pytest.raises(ValueError, match="different block formats"):
+        QuantizedWeight.cat([quantize_int4(w), quantize_int8_groups(w)])
 
 
 def test_quantized_residual_add():
@@ -70,5 +113,5 @@ def test_bad_choices():
     w, _ = weights(96, 100)
     with pytest.raises(ValueError, match="divisible"):
         Int4Linear(w)
-    with pytest.raises(ValueError, match="quantization"):
+    with pytest.raises(ValueError, match="fp3"):
         make_linear(w, quantization="fp3")

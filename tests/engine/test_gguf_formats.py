@@ -1,0 +1,95 @@
+"""A GGUF served in its own block formats (--quantization auto) against HF's
+dequantized load of the same file, through every CPU path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.model.linear import DenseLinear, Int4Linear, Int8Linear
+from tandem.sampling_params import SamplingParams
+
+from ..unit.test_gguf import _write_tiny_gguf
+from .cpu_paths import CPU_PATHS, cpu_path
+
+PROMPTS = [[5, 17, 33, 2, 64, 9, 11], [40, 41, 42], list(range(3, 40))]
+
+
+def _mixed(name: str) -> str:
+    """Q4_K_M's pattern: Q4 matmuls with Q8 V and down projections (and output)."""
+    return "Q8_0" if name in ("attn_v", "ffn_down") else "Q4_1"
+
+
+def _engine_and_hf(tmp_path, qtype, quantization="auto"):
+    from transformers import AutoModelForCausalLM
+
+    src = _write_tiny_gguf(tmp_path / "m.gguf", "llama", heads=4, kv=2, head_dim=16,
+                           hidden=64, ffn=96, qtype=qtype, std=0.1)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=src.name,
+                                              dtype=torch.float32).eval()
+    engine = LLMEngine(EngineConfig(model=str(src), skip_tokenizer_init=True,
+                                    quantization=quantization, kv_cache_memory="8MiB",
+                                    max_num_batched_tokens=16))
+    return engine, hf
+
+
+def _greedy(engine: LLMEngine, n: int = 8) -> list[list[int]]:
+    reqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            for p in PROMPTS]
+    while engine.has_unfinished_requests():
+        engine.step()
+    return [r.output_token_ids for r in reqs]
+
+
+def test_q4_gguf_runs_int4_as_stored_and_matches_hf(tmp_path):
+    """Q4_0 layers and tied head stay int4 (fp32 activations): HF's logits up to
+    float rounding, and the same ids on every path."""
+    engine, hf = _engine_and_hf(tmp_path, "Q4_0")
+    m = engine.model
+    assert all(isinstance(lin, Int4Linear) for layer in m.layers
+               for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert isinstance(m.lm_head, Int4Linear) and m.embed.dtype == torch.float16
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPTS[2]])).logits[0]
+    ids = {}
+    for path in CPU_PATHS:
+        with cpu_path(engine, path):
+            got = engine.score_tokens(PROMPTS[2])
+            assert ((got - ref).abs().max() / ref.abs().max()) < 1e-3, path
+            ids[path] = _greedy(engine)
+    assert ids["decode-step"] == ids["per-op-kernels"] == ids["torch-reference"]
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "mixed"])
+def test_int8_groups_and_mixed_formats_agree_on_every_path(tmp_path, qtype):
+    """Q8_0 runs as int8 with its group scales (W8A8); a Q4_K_M-like mix gives each
+    fused matmul its widest part's format. The decode step, the per-op kernels
+    and torch agree; the logits stay within int8 activations' error of HF's."""
+    engine, hf = _engine_and_hf(tmp_path, _mixed if qtype == "mixed" else "Q8_0")
+    layer = engine.model.layers[0]
+    if qtype == "mixed":
+        assert isinstance(layer.qkv, Int8Linear) and isinstance(layer.o, Int4Linear)
+        assert isinstance(layer.gate_up, Int4Linear) and isinstance(layer.down, Int8Linear)
+        assert engine.runner.decode_step is not None  # per-matmul formats in one step
+    else:
+        assert isinstance(layer.qkv, Int8Linear) and layer.qkv.group_scale is not None
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPTS[2]])).logits[0]
+    ids = {}
+    for path in CPU_PATHS:
+        with cpu_path(engine, path):
+            got = engine.score_tokens(PROMPTS[2])
+            assert ((got - ref).abs().max() / ref.abs().max()) < 0.05, path
+            ids[path] = _greedy(engine)
+    assert ids["decode-step"] == ids["per-op-kernels"]
+
+
+def test_none_dequantizes_a_quantized_gguf_to_float(tmp_path):
+    engine, hf = _engine_and_hf(tmp_path, "Q4_1", quantization="none")
+    assert isinstance(engine.model.lm_head, DenseLinear) and engine.model.embed.dtype == (
+        torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPTS[2]])).logits[0]
+    torch.testing.assert_close(engine.score_tokens(PROMPTS[2]), ref, atol=1e-3, rtol=1e-4)
