@@ -1,8 +1,8 @@
 """The FastAPI app: both APIs, /metrics, /health, error shapes, the stats logger.
 
-``build_app(engine, ServerConfig(...))`` wires an already-loaded AsyncEngine
-(the model is loaded once, before the server listens); ``serve`` is
-``tandem serve``.
+``build_app(engine, ServerConfig(...))`` wires an AsyncEngine, or a loader
+that makes one in the background; ``serve`` is ``tandem serve``, which listens
+at once and loads the model behind a 503 "Loading model" (as llama-server does).
 """
 
 from __future__ import annotations
@@ -10,12 +10,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import State
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tandem import __version__
 from tandem.engine.async_engine import AsyncEngine
@@ -28,6 +32,11 @@ from tandem.server.state import ServerState
 from tandem.server.stats import StatsLogger
 
 logger = logging.getLogger("tandem.server")
+
+Loader = Callable[[], AsyncEngine]
+# Answer while the model loads: they need no engine, and clients probe them
+# to find out whether a server is there at all (Ollama's CLI: HEAD /).
+OPEN_WHILE_LOADING = frozenset({"/version", "/api/version", "/"})
 
 
 @dataclass
@@ -46,26 +55,28 @@ class ServerConfig:
     stats_interval_s: float = 10.0
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
+def build_app(engine: AsyncEngine | Loader, config: ServerConfig | None = None) -> FastAPI:
+    """The app over a loaded AsyncEngine, or over a loader that makes one.
+
+    Given an engine (tests, embedding), the app is ready at once. Given a
+    loader (``tandem serve``), the server can listen before a multi-GB model is
+    in memory: the lifespan runs the loader in a daemon thread, and until it
+    returns, ``app.state.tandem`` is None and one gate, the ``_UntilReady``
+    middleware in front of every route, answers 503 "Loading model" in the
+    route's API shape (all but OPEN_WHILE_LOADING). One gate rather than a
+    check per route or router because everything behind it, handlers, the
+    API-key dependency, /metrics, /health, reads the ServerState that only a
+    loaded engine can build; behind the gate they stay as they were.
+
+    If the loader raises, the exception is kept in ``app.state.load_error`` and
+    the gate says "The model failed to load"; what to do then (exit) is the
+    caller's decision: see run_server.
+    """
     config = config or ServerConfig()
-    llm = engine.engine
-    max_queue = config.max_queue if config.max_queue is not None else llm.config.max_num_seqs
-    card = ModelCard.from_engine(llm, config.served_model_names)
-    state = ServerState(
-        engine=engine,
-        card=card,
-        admission=Admission(engine, max_queue),
-        metrics=ServerMetrics(engine, card.name),
-        api_key=config.api_key or None,
-        max_body_bytes=config.max_body_bytes,
-    )
-    stats = StatsLogger(engine, config.stats_interval_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        task = asyncio.create_task(stats.run())
-        logger.info("serving %s (max_model_len %d, max_num_seqs %d, max_queue %d)",
-                    card.name, card.max_model_len, llm.config.max_num_seqs, max_queue)
+        task = asyncio.create_task(_when_loaded(app, engine, config))
         try:
             yield
         finally:
@@ -73,14 +84,18 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
 
     app = FastAPI(title="tandem", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.tandem = state
+    app.state.tandem = None
+    app.state.load_error = None
+    if isinstance(engine, AsyncEngine):
+        app.state.tandem = _server_state(engine, config)
+    app.add_middleware(_UntilReady, app_state=app.state)
     app.include_router(openai.router)
     app.include_router(ollama.public)
     app.include_router(ollama.router)
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.dead:
+        if app.state.tandem.engine.dead:
             return JSONResponse({"error": "the engine loop is not running"}, status_code=503)
         return Response(status_code=200)
 
@@ -90,11 +105,87 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(state.metrics.render(),
+        return Response(app.state.tandem.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    _install_error_handlers(app, state)
+    _install_error_handlers(app)
     return app
+
+
+def _server_state(engine: AsyncEngine, config: ServerConfig) -> ServerState:
+    llm = engine.engine
+    max_queue = config.max_queue if config.max_queue is not None else llm.config.max_num_seqs
+    card = ModelCard.from_engine(llm, config.served_model_names)
+    return ServerState(
+        engine=engine,
+        card=card,
+        admission=Admission(engine, max_queue),
+        metrics=ServerMetrics(engine, card.name),
+        api_key=config.api_key or None,
+        max_body_bytes=config.max_body_bytes,
+    )
+
+
+async def _when_loaded(app: FastAPI, engine: AsyncEngine | Loader, config: ServerConfig) -> None:
+    """The lifespan's task: load if needed, open the gate, then log stats forever."""
+    if app.state.tandem is None:
+        loaded, error = await _in_daemon_thread(engine)
+        if error is not None:
+            app.state.load_error = error
+            return
+        app.state.tandem = _server_state(loaded, config)
+    state: ServerState = app.state.tandem
+    logger.info("serving %s (max_model_len %d, max_num_seqs %d, max_queue %d)",
+                state.card.name, state.card.max_model_len,
+                state.engine.engine.config.max_num_seqs, state.admission.max_queue)
+    await StatsLogger(state.engine, config.stats_interval_s).run()
+
+
+async def _in_daemon_thread(load: Loader) -> tuple[AsyncEngine | None, BaseException | None]:
+    """(load(), None) or (None, what it raised), without blocking the event loop.
+
+    A daemon thread, not the loop's executor: asyncio.run waits for executor
+    threads at exit, so Ctrl-C during a minutes-long load would wait for it.
+    The exception is returned, not raised, so a KeyboardInterrupt in the loader
+    cannot escape into the event loop.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(result: tuple) -> None:
+        if not done.done():  # the server may have stopped waiting
+            done.set_result(result)
+
+    def run() -> None:
+        try:
+            result: tuple = (load(), None)
+        except BaseException as e:  # handed to the loop
+            result = (None, e)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            loop.call_soon_threadsafe(settle, result)
+
+    threading.Thread(target=run, name="tandem-load", daemon=True).start()
+    return await done
+
+
+class _UntilReady:
+    """ASGI middleware: the readiness gate (see build_app); a pass-through once loaded."""
+
+    def __init__(self, app: ASGIApp, app_state: State) -> None:
+        self.app = app
+        self.app_state = app_state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] == "http" and self.app_state.tandem is None
+                and scope["path"] not in OPEN_WHILE_LOADING):
+            failed = self.app_state.load_error is not None
+            err = APIError(503, "The model failed to load" if failed else "Loading model",
+                           error_type="unavailable_error",
+                           ollama_message="the model failed to load" if failed
+                           else "loading model")
+            await _render(Request(scope), err)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def _render(request: Request, err: APIError) -> Response:
@@ -103,11 +194,11 @@ def _render(request: Request, err: APIError) -> Response:
     return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
-def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
+def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError) -> Response:
         if err.code == "server_overloaded":
-            state.metrics.rejections.inc()
+            app.state.tandem.metrics.rejections.inc()
         return _render(request, err)
 
     @app.exception_handler(RequestValidationError)
@@ -127,24 +218,58 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
 
 # -------------------------------------------------------------------- CLI
 def serve(args, engine_config) -> int:
-    """Load the model, then serve until interrupted (``tandem serve``)."""
-    import uvicorn
-
+    """``tandem serve``: check the flags, then run_server with the model's loader."""
     if args.max_queue is not None and args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.stats_interval <= 0:
         raise ValueError(f"--stats-interval must be positive, got {args.stats_interval}")
-    engine = AsyncEngine(engine_config)
-    logger.info("model loaded in %.1f s", engine.engine.load_duration_s)
-    app = build_app(engine, ServerConfig(
+
+    def load() -> AsyncEngine:
+        engine = AsyncEngine(engine_config)
+        logger.info("model loaded in %.1f s", engine.engine.load_duration_s)
+        return engine
+
+    return run_server(load, ServerConfig(
         served_model_names=args.served_model_name, api_key=args.api_key,
         max_queue=args.max_queue, stats_interval_s=args.stats_interval,
-    ))
+    ), host=args.host, port=args.port, access_log=args.access_log)
+
+
+def run_server(load: Loader, config: ServerConfig, host: str, port: int,
+               access_log: bool = True) -> int:
+    """Listen at once, load in the background, serve until interrupted; 0 when stopped.
+
+    A failed load stops the server and its exception is re-raised here, in the
+    caller's thread, so ``tandem serve`` fails as it did when it loaded before
+    listening: the CLI prints a ValueError's message (no traceback) and exits 2;
+    anything else is a traceback.
+    """
+    import uvicorn
+
+    failure: list[BaseException] = []
+
+    def load_or_stop() -> AsyncEngine:
+        try:
+            return load()
+        except BaseException as e:
+            failure.append(e)
+            logger.error("the model failed to load: shutting down")
+            server.should_exit = True
+            raise
+
+    app = build_app(load_or_stop, config)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_config=None,
+                                           access_log=access_log, timeout_graceful_shutdown=5))
+    logger.info("loading the model: until it is ready, requests get 503 \"Loading model\"")
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_config=None,
-                    access_log=args.access_log, timeout_graceful_shutdown=5)
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises a caught SIGINT once it has shut down
+        pass
     finally:
-        engine.shutdown()
-    return 0
+        if app.state.tandem is not None:
+            app.state.tandem.engine.shutdown()
+    if failure:
+        raise failure[0]
+    return 0 if server.started else 1

@@ -31,6 +31,7 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
         ollama_message: str | None = None,
+        error_type: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -39,11 +40,12 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
         self.ollama_message = ollama_message or message
+        self.error_type = error_type  # OpenAI's "type"; default: by status
 
     def openai_body(self) -> dict:
         return {"error": {
             "message": self.message,
-            "type": _OPENAI_TYPES.get(self.status, "server_error"),
+            "type": self.error_type or _OPENAI_TYPES.get(self.status, "server_error"),
             "param": self.param,
             "code": self.code if self.code is not None else self.status,
         }}
