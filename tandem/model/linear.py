@@ -142,16 +142,24 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat((g & 15, g >> 4), 2).view(n, -1)
 
 
+# Quantizers work on this many rows at a time: their float temporaries stay
+# ~100 MB whatever the matrix (an 8B model's LM head is 2.1 GB in fp32).
+_CHUNK_ROWS = 2048
+
+
 def quantize_int8_groups(w: torch.Tensor) -> QuantizedWeight:
     """Symmetric int8 in groups of 32 inputs, fp16 scale absmax / 127 each (Q8_0's
     rule): the target for block formats tandem has no kernel of its own for."""
     n, k = w.shape
     if k % INT8_GROUP_SIZE:
         raise ValueError(f"int8 groups need in_features ({k}) divisible by {INT8_GROUP_SIZE}")
-    wg = w.float().view(n, -1, INT8_GROUP_SIZE)
-    scale = (wg.abs().amax(-1) / 127.0).to(torch.float16)
-    s = scale.float().clamp_min(1e-30)[..., None]
-    q = torch.round(wg / s).clamp(-127, 127).to(torch.int8).view(n, k)
+    q = torch.empty(n, k, dtype=torch.int8, device=w.device)
+    scale = torch.empty(n, k // INT8_GROUP_SIZE, dtype=torch.float16, device=w.device)
+    for r in range(0, n, _CHUNK_ROWS):
+        wg = w[r:r + _CHUNK_ROWS].float().view(-1, k // INT8_GROUP_SIZE, INT8_GROUP_SIZE)
+        scale[r:r + _CHUNK_ROWS] = wg.abs().amax(-1) / 127.0
+        s = scale[r:r + _CHUNK_ROWS].float().clamp_min(1e-30)[..., None]
+        q[r:r + _CHUNK_ROWS] = torch.round(wg / s).clamp(-127, 127).view(-1, k)
     return QuantizedWeight("int8", q, scale)
 
 
@@ -162,13 +170,19 @@ def quantize_int4(w: torch.Tensor) -> QuantizedWeight:
     if k % INT4_GROUP_SIZE:
         raise ValueError(f"int4 needs in_features ({k}) divisible by the group size "
                          f"{INT4_GROUP_SIZE}")
-    wg = w.float().view(n, -1, INT4_GROUP_SIZE)
-    lo = wg.amin(-1).to(torch.float16)
-    scale = ((wg.amax(-1) - lo.float()) / 15.0).to(torch.float16)
-    s = scale.float().clamp_min(1e-30)[..., None]
-    q = torch.round((wg - lo.float()[..., None]) / s).clamp(0, 15).to(torch.uint8)
-    g = q.view(n, -1, 2, 16)
-    return QuantizedWeight("int4", (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2), scale, lo)
+    g = k // INT4_GROUP_SIZE
+    packed = torch.empty(n, k // 2, dtype=torch.uint8, device=w.device)
+    scale = torch.empty(n, g, dtype=torch.float16, device=w.device)
+    lo = torch.empty(n, g, dtype=torch.float16, device=w.device)
+    for r in range(0, n, _CHUNK_ROWS):
+        wg = w[r:r + _CHUNK_ROWS].float().view(-1, g, INT4_GROUP_SIZE)
+        lo[r:r + _CHUNK_ROWS] = wg.amin(-1)
+        lo_f = lo[r:r + _CHUNK_ROWS].float()[..., None]
+        scale[r:r + _CHUNK_ROWS] = (wg.amax(-1, keepdim=True) - lo_f)[..., 0] / 15.0
+        s = scale[r:r + _CHUNK_ROWS].float().clamp_min(1e-30)[..., None]
+        q = torch.round((wg - lo_f) / s).clamp(0, 15).to(torch.uint8).view(-1, g, 2, 16)
+        packed[r:r + _CHUNK_ROWS] = (q[:, :, 0] | (q[:, :, 1] << 4)).view(-1, k // 2)
+    return QuantizedWeight("int4", packed, scale, lo)
 
 
 class Int8Linear(_QuantLinear):
@@ -181,9 +195,14 @@ class Int8Linear(_QuantLinear):
             q, gs = w.data, w.scale
             self.scale = torch.ones(q.shape[0], device=q.device)
         else:
-            w, gs = w.float(), None
-            self.scale = (w.abs().amax(1) / 127.0).clamp_min(1e-12)  # [out]
-            q = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8)
+            gs = None
+            self.scale = torch.empty(w.shape[0], device=w.device)  # [out]
+            q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+            for r in range(0, w.shape[0], _CHUNK_ROWS):
+                rows = slice(r, r + _CHUNK_ROWS)
+                wr = w[rows].float()
+                self.scale[rows] = (wr.abs().amax(1) / 127.0).clamp_min(1e-12)
+                q[rows] = torch.round(wr / self.scale[rows, None]).clamp(-127, 127)
         out_f, in_f = q.shape
         self.group_scale = gs  # fp16 [out, in / 32] or None
         self.bias = bias
@@ -201,10 +220,17 @@ class Int8Linear(_QuantLinear):
         (tandem/csrc/quant_linear.h)."""
         n, k = q.shape
         tiles, kp = -(-n // 16), -(-k // INT8_GROUP_SIZE) * INT8_GROUP_SIZE
-        padded = torch.zeros(tiles * 16, kp, dtype=torch.int16)
-        padded[:n, :k] = q
-        u8 = (padded + 128).to(torch.uint8)
-        self.wpack = u8.view(tiles, 16, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
+        # int8 x + 128 as uint8 is x's bits with the top one flipped; padding is 128 (= 0).
+        u8 = q.view(torch.uint8) ^ 128
+        if (tiles * 16, kp) != (n, k):
+            padded = torch.full((tiles * 16, kp), 128, dtype=torch.uint8)
+            padded[:n, :k] = u8
+            u8 = padded
+        self.wpack = torch.empty(tiles, kp // 4, 16, 4, dtype=torch.uint8)
+        step = _CHUNK_ROWS // 16
+        for t in range(0, tiles, step):  # tile by tile: no second full-size temporary
+            part = u8[t * 16:(t + step) * 16].view(-1, 16, kp // 4, 4)
+            self.wpack[t:t + step] = part.permute(0, 2, 1, 3)
         self.w_scale = torch.zeros(tiles * 16)
         self.w_scale[:n] = self.scale
         self.g_pack = torch.empty(0, dtype=torch.float16)

@@ -140,7 +140,7 @@ class DummyWeights:
         if name.endswith("norm.weight"):
             return torch.ones(shape, dtype=self.dtype)
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
-        return (torch.randn(*shape, generator=g) * 0.02).to(self.dtype)
+        return torch.randn(*shape, generator=g).mul_(0.02).to(self.dtype)
 
 
 WeightSource = GGUFWeights | SafetensorsWeights | DummyWeights
@@ -216,18 +216,17 @@ def fuse_weights(
     def lin(parts: list, bias: torch.Tensor | None = None, kind: str | None = None) -> Linear:
         kind = kind or target(parts)
         bias = None if bias is None else put(bias)
-        if kind == "none":
-            return DenseLinear(dense(torch.cat([put(p) for p in parts])), bias)
         if all(isinstance(p, QuantizedWeight) and p.kind == kind for p in parts):
             return make_linear(QuantizedWeight.cat(parts).to(device), bias, kind)
-        return make_linear(torch.cat([put(p) for p in parts]), bias, kind)
+        w = put(parts[0]) if len(parts) == 1 else torch.cat([put(p) for p in parts])
+        return DenseLinear(dense(w), bias) if kind == "none" else make_linear(w, bias, kind)
 
     quantized = quantization in ("int8", "int4") or (quantization == "auto" and src.quantized)
     lm = src.pop("lm_head.weight", None)
     if lm is None and not cfg.tie_word_embeddings:
         raise ValueError("the weights have no lm_head.weight and tie_word_embeddings is false")
-    embed_w = take("model.embed_tokens.weight")
     if not quantized:
+        embed_w = take("model.embed_tokens.weight")
         # A tied dense LM head is the embedding itself, streamed: in huge pages.
         embed = dense(embed_w) if lm is None else put(embed_w)
         lm_head: Linear = DenseLinear(embed if lm is None else dense(lm))
@@ -237,15 +236,24 @@ def fuse_weights(
         # llama.cpp's Q4/Q8 files have a Q6_K/Q8_0 one): per-channel weights
         # with activations in groups of 32 cost +0.003 NLL on the default
         # model, and it is ~a third of what an int8 step reads otherwise.
-        head = embed_w if lm is None else lm
-        head_kind = (head.kind if quantization == "auto" and isinstance(head, QuantizedWeight)
-                     else "int8")
-        lm_head = lin([head], kind=head_kind)
-        del head, lm
+        # An untied head is built and its source dropped before the embedding
+        # is read: an 8B model's are 2.1 GB each in fp32.
+        def head_of(w: torch.Tensor | QuantizedWeight) -> Linear:
+            auto = quantization == "auto" and isinstance(w, QuantizedWeight)
+            return lin([w], kind=w.kind if auto else "int8")
+
+        if lm is not None:
+            lm_head = head_of(lm)
+            del lm
+            embed_w = take("model.embed_tokens.weight")
+        else:
+            embed_w = take("model.embed_tokens.weight")
+            lm_head = head_of(embed_w)
         # The row lookup reads one row a token: fp16 halves an fp32 table
         # (1 GB of a Llama-3 8B) for a rounding far below the weights' own.
-        emb = embed_w.dequantize() if isinstance(embed_w, QuantizedWeight) else embed_w
-        embed = emb.to(device=device, dtype=torch.float16 if dtype == torch.float32 else dtype)
+        if isinstance(embed_w, QuantizedWeight):
+            embed_w = embed_w.dequantize()
+        embed = embed_w.to(device=device, dtype=torch.float16 if dtype == torch.float32 else dtype)
     del embed_w
     progress = _Progress(cfg.num_hidden_layers, "loading weights")
     layers = []

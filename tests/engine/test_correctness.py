@@ -1,4 +1,7 @@
-"""Greedy token ids identical to HF transformers on the real default model, on every path."""
+"""Greedy token ids identical to HF transformers on the real default model, on every path.
+
+The engine dequantizes the GGUF to fp32 here (quantization="none"), as HF does;
+by default it runs the file's own Q4_1 / Q8_0 blocks (tests/engine/test_gguf_formats.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ MAX_TOKENS = [24, 16, 32, 12, 20, 28, 8, 18]
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(kv_cache_memory="256MiB")
+    return LLM(kv_cache_memory="256MiB", quantization="none")
 
 
 def ids_of(llm, prompt):
@@ -60,7 +63,7 @@ def test_eight_concurrent_requests_match_hf(llm, hf_greedy, path):
 
 
 def test_chunked_prefill_matches_hf(hf_greedy):
-    llm = LLM(kv_cache_memory="64MiB", max_num_batched_tokens=7)
+    llm = LLM(kv_cache_memory="64MiB", max_num_batched_tokens=7, quantization="none")
     prompts_ids = [ids_of(llm, p) for p in PROMPTS[:4]]
     assert max(len(p) for p in prompts_ids) > 7
     params = [SamplingParams(temperature=0, max_tokens=n) for n in MAX_TOKENS[:4]]
@@ -72,7 +75,7 @@ def test_preemption_matches_hf(hf_greedy):
     # 5 blocks of 16 tokens = 80 slots; each request needs 3-4 blocks by its end,
     # so running requests run out of blocks and are preempted and recomputed.
     bytes_per_block = 2 * 30 * 3 * 64 * 4 * 16
-    llm = LLM(kv_cache_memory=5 * bytes_per_block, max_model_len=80)
+    llm = LLM(kv_cache_memory=5 * bytes_per_block, max_model_len=80, quantization="none")
     prompts_ids = [ids_of(llm, p) for p in PROMPTS[:4]]
     params = SamplingParams(temperature=0, max_tokens=40)
     outs = llm.generate(prompts_ids, params)
