@@ -94,12 +94,20 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const uint16_t* sp = half_ptr(scale);
   const uint16_t* lp = half_ptr(lo);
   if (M > kInt4GemvMaxRows) {
-    auto w = at::empty({N, K}, x.options());
-    float* wp = w.data_ptr<float>();
-    at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
-      int4_dequantize_rows(pp, sp, lp, b, e, K, wp);
-    });
-    return at::mm(x, w.t());
+    // Dequantized kInt4DequantRows output rows at a time for the GEMM: the fp32
+    // copy stays a few MB, not the whole matrix (an 8B model's gate/up: 470 MB).
+    constexpr int64_t kInt4DequantRows = 1024;
+    auto out = at::empty({M, N}, x.options());
+    auto w = at::empty({std::min(N, kInt4DequantRows), K}, x.options());
+    for (int64_t n0 = 0; n0 < N; n0 += kInt4DequantRows) {
+      const int64_t nb = std::min(kInt4DequantRows, N - n0);
+      float* wp = w.data_ptr<float>();
+      at::parallel_for(0, nb, 16, [&](int64_t b, int64_t e) {  // rows n0 + [b, e)
+        int4_dequantize_rows(pp + n0 * (K / 2), sp + n0 * G, lp + n0 * G, b, e, K, wp);
+      });
+      out.narrow(1, n0, nb).copy_(at::mm(x, w.narrow(0, 0, nb).t()));
+    }
+    return out;
   }
   auto out = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
