@@ -1,0 +1,364 @@
+"""Real-size models from GGUF files: load time, memory, and serving tok/s against this
+machine's bandwidth and compute ceilings, measured in the same run.
+
+Workload (issue 12): synthetic Llama GGUFs at real shapes (benchmarks/synthetic_gguf.py:
+random weights, SmolLM2's tokenizer; cached), by default the 1B shape as F16, Q8_0 and
+Q4_0 files (``--shape 8b`` for the 8B one). Each file is served by
+``tandem serve --model FILE --kv-cache-memory K`` (``--quantization X`` only when given)
+and measured:
+
+* load: process start until /health is 200 (includes any one-time GGUF conversion the
+  engine does on a file's first load: run twice to see a warm load); peak RSS of the
+  server during load (VmHWM at that moment) and its RSS just after;
+* serving: ``tandem bench serve``, 128-token prompts, 128 output tokens, ignore_eos,
+  closed loop, at 1, 16 and 32 streams: tok/s, TTFT and ITL; the server's peak RSS
+  during the run (VmHWM, reset after load through /proc/PID/clear_refs).
+
+Baselines, measured in this run:
+
+* bandwidth ceiling = tandem.plan.devices.measure_read_bandwidth() / bytes read per
+  token. Bytes read per token = the weights the server reports resident (/api/ps
+  ``size``, the engine's model.nbytes) minus what a decode step does not stream: the
+  token embedding (a row lookup) and the norm vectors, counted at the engine dtype the
+  server reports (``quantization_level`` F32/BF16/F16; for any other value the GGUF's own
+  tensor bytes excluding token_embd and norms are used, and the table says "file"). The
+  GGUF figure is printed too: it is what a step would read serving the file's format.
+* compute ceiling = matmul throughput of this CPU (torch.mm at M=128 of a 2048x2048
+  matrix: fp32, bf16, and int8 through torch._int_mm) / (2 x params in the matmuls,
+  i.e. all matrices but token_embd); 16/32-stream tok/s is printed as a ratio of the
+  int8 and fp32 ceilings.
+
+Targets (issue 12): 1 stream >= 0.85 of the bandwidth ceiling; >= 200 tok/s at 16
+streams with p99 ITL <= 400 ms (1.2B int8); peak RSS during load <= 1.3 x
+(weights + KV pool), KV pool = the size the server logs at start-up (else --kv-cache-memory).
+
+    .venv/bin/python benchmarks/real_models.py [--shape 1b] [--types f16 q8_0 q4_0]
+        [--quantization X] [--streams 1 16 32] [--prompts-per-stream 2] [--kv-cache-memory 2GiB]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import httpx
+import torch
+from common import read_bandwidth_gbs
+from synthetic_gguf import synthetic_gguf
+
+TANDEM = str(Path(sys.executable).parent / "tandem")
+DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
+KV_LOG = re.compile(r"KV cache \([^)]*\): .*?\(([\d.]+) GiB\)")
+
+
+# ------------------------------------------------------------------ this machine
+
+
+def matmul_flops(dtype: str, m: int = 128, n: int = 2048, seconds: float = 1.0) -> float | None:
+    """FLOP/s of torch.mm (torch._int_mm for int8) at (m x n) @ (n x n); None if unsupported."""
+    if dtype == "int8":
+        a = torch.randint(-127, 128, (m, n), dtype=torch.int8)
+        b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+        fn = getattr(torch, "_int_mm", None)
+    else:
+        dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+        a, b = torch.randn(m, n, dtype=dt), torch.randn(n, n, dtype=dt)
+        fn = torch.mm
+    try:
+        fn(a, b)
+    except (RuntimeError, TypeError):
+        return None
+    best, t_end = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t = time.perf_counter()
+        fn(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * m * n * n / best
+
+
+# ------------------------------------------------------------------ the file
+
+
+@dataclass
+class FileInfo:
+    path: Path
+    size: int
+    params: int  # all tensors
+    matmul_params: int  # 2-D tensors but token_embd
+    not_streamed_elems: int  # token_embd + the 1-D norms: not read by a decode step
+    file_read_per_token: int  # GGUF bytes of the matmul tensors
+
+
+def file_info(path: Path) -> FileInfo:
+    r = gguf.GGUFReader(str(path))
+    params = matmul = skip = read = 0
+    for t in r.tensors:
+        n = int(t.n_elements)
+        params += n
+        if t.name == "token_embd.weight" or len(t.shape) == 1:
+            skip += n
+        else:
+            matmul += n
+            read += int(t.n_bytes)
+    return FileInfo(path, path.stat().st_size, params, matmul, skip, read)
+
+
+# ------------------------------------------------------------------ the server
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """VmRSS / VmHWM of pid in bytes."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def reset_peak(pid: int) -> bool:
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
+    t = time.monotonic()
+    while time.monotonic() - t < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError("tandem serve exited during start-up")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"tandem serve did not become ready in {timeout:.0f} s")
+
+
+def run_point(url: str, streams: int, num_prompts: int, outdir: Path) -> dict:
+    name = f"c{streams}.json"
+    subprocess.run(
+        [TANDEM, "bench", "serve", "--base-url", url, "--dataset-name", "random",
+         "--input-len", "128", "--output-len", "128", "--ignore-eos",
+         "--num-prompts", str(num_prompts), "--max-concurrency", str(streams),
+         "--num-warmups", "1", "--disable-tqdm", "--no-plots", "--save-result",
+         "--result-dir", str(outdir), "--result-filename", name],
+        check=True, stdout=subprocess.DEVNULL,
+    )
+    return json.loads((outdir / name).read_text())
+
+
+@dataclass
+class Result:
+    label: str
+    info: FileInfo
+    error: str | None = None
+    load_s: float = 0.0
+    load_peak: int = 0
+    after_load: int = 0
+    run_peak: int = 0
+    run_peak_reset: bool = True
+    served: int = 0
+    level: str = ""
+    read_per_token: int = 0
+    read_source: str = ""
+    kv_pool: int = 0
+    kv_source: str = ""
+    points: dict[int, dict] = field(default_factory=dict)
+
+
+def measure(label: str, path: Path, a: argparse.Namespace, port: int) -> Result:
+    info = file_info(path)
+    res = Result(label, info)
+    url = f"http://127.0.0.1:{port}"
+    cmd = [TANDEM, "serve", "--model", str(path), "--port", str(port),
+           "--kv-cache-memory", a.kv_cache_memory, "--max-num-seqs", "64", "--max-queue", "64",
+           "--no-access-log"]
+    if a.quantization is not None:
+        cmd += ["--quantization", a.quantization]
+    if a.threads is not None:
+        cmd += ["--num-threads", str(a.threads)]
+    with tempfile.TemporaryDirectory() as d:
+        log = Path(d) / "server.log"
+        with open(log, "wb") as logf:
+            t0 = time.monotonic()
+            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(url, proc, a.load_timeout, log)
+            res.load_s = time.monotonic() - t0
+            st = proc_status(proc.pid)
+            res.load_peak, res.after_load = st["VmHWM"], st["VmRSS"]
+            res.run_peak_reset = reset_peak(proc.pid)
+            ps = httpx.get(url + "/api/ps", timeout=10).json()["models"][0]
+            res.served, res.level = int(ps["size"]), ps["details"]["quantization_level"]
+            esize = DTYPE_BYTES.get(res.level)
+            if esize is not None:
+                res.read_per_token = res.served - info.not_streamed_elems * esize
+                res.read_source = f"server ({res.level})"
+            else:
+                res.read_per_token, res.read_source = info.file_read_per_token, "file"
+            m = KV_LOG.search(log.read_text(errors="replace"))
+            if m:
+                res.kv_pool, res.kv_source = int(float(m.group(1)) * 2**30), "server log"
+            else:
+                res.kv_pool, res.kv_source = parse_size(a.kv_cache_memory), "--kv-cache-memory"
+            for c in a.streams:
+                res.points[c] = run_point(url, c, max(2, c * a.prompts_per_stream), Path(d))
+                res.run_peak = proc_status(proc.pid)["VmHWM"]
+        except (RuntimeError, subprocess.CalledProcessError, httpx.HTTPError, KeyError) as e:
+            res.error = str(e).splitlines()[0] if isinstance(e, RuntimeError) else repr(e)
+            code = proc.poll()
+            if code is not None:  # the server died: say how, and show its last words
+                how = " (SIGKILL: out of memory?)" if code == -9 else ""
+                tail = "\n      ".join(log.read_text(errors="replace").splitlines()[-8:])
+                res.error += f"\n   server exited with {code}{how}; its log ends:\n      {tail}"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    return res
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?)B?\s*", text, re.I)
+    if not m:
+        raise ValueError(f"bad size {text!r}")
+    unit = " KMGT".index(m.group(2).upper() or " ")
+    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** unit)
+
+
+# ------------------------------------------------------------------ report
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def print_result(r: Result, bw: float, flops: dict[str, float | None]) -> None:
+    i = r.info
+    print(f"\n== {r.label}: {i.path.name}, {gb(i.size)}, {i.params / 1e9:.2f} B params "
+          f"({i.matmul_params / 1e9:.2f} B in matmuls)", flush=True)
+    if r.error:
+        print(f"   FAILED: {r.error}", flush=True)
+        if not r.served:
+            return
+    wkv = r.served + r.kv_pool
+    print(f"   load            {r.load_s:7.1f} s to /health 200")
+    print(f"   weights         {gb(r.served)} resident (/api/ps, {r.level}); read per token "
+          f"{gb(r.read_per_token)} ({r.read_source}); GGUF tensors {gb(i.file_read_per_token)}")
+    print(f"   KV pool         {gb(r.kv_pool)} ({r.kv_source})")
+    run_what = "since load" if r.run_peak_reset else "whole life: clear_refs failed"
+    run = (f"{gb(r.run_peak)} ({run_what}) = {r.run_peak / wkv:.2f} x" if r.run_peak
+           else "n/a")
+    print(f"   RSS             peak during load {gb(r.load_peak)} = {r.load_peak / wkv:.2f} x "
+          f"(weights + KV pool); after load {gb(r.after_load)}; peak during run {run}")
+    ceiling = bw / r.read_per_token
+    file_ceiling = bw / i.file_read_per_token
+    print(f"   ceilings        bandwidth {ceiling:.1f} tok/s (GGUF bytes: {file_ceiling:.1f}); "
+          + ", ".join(f"{k} compute {v / (2 * i.matmul_params):.0f} tok/s"
+                      for k, v in flops.items() if v))
+    print(f"   {'streams':>7} {'tok/s':>7} {'TTFT p50':>9} {'ITL p50':>8} {'ITL p99':>8} (ms) "
+          f"{'vs bw':>6} {'vs GGUF bw':>10} {'vs int8':>8} {'vs fp32':>8} {'time':>6}")
+    for c, p in r.points.items():
+        tps = p["output_throughput"]
+        comp = "".join(
+            f" {tps / (flops[k] / (2 * i.matmul_params)):8.2f}" if flops.get(k) else f" {'-':>8}"
+            for k in ("int8", "fp32")
+        ) if c > 1 else f" {'':8} {'':8}"
+        fail = f"  ({p['failed']} failed)" if p.get("failed") else ""
+        print(f"   {c:7d} {tps:7.1f} {p['median_ttft_ms']:9.0f} {p['median_itl_ms']:8.0f} "
+              f"{p['p99_itl_ms']:8.0f}      {tps / ceiling:6.2f} {tps / file_ceiling:10.2f}"
+              f"{comp} {p['duration']:5.0f}s{fail}", flush=True)
+
+
+def print_targets(results: list[Result], bw: float) -> None:
+    print("\ntargets (issue 12): 1 stream >= 0.85 of the bandwidth ceiling; >= 200 tok/s at 16 "
+          "streams with p99 ITL <= 400 ms (1.2B int8); peak RSS during load <= 1.3 x "
+          "(weights + KV pool)")
+    print(f"{'model':14} {'1-stream/ceiling':>17} {'16 streams tok/s, p99 ITL':>26} "
+          f"{'load RSS ratio':>15}")
+
+    def mark(ok: bool) -> str:
+        return "ok" if ok else "MISS"
+
+    for r in results:
+        if not r.served:
+            print(f"{r.label:14} {'failed':>17}")
+            continue
+        one = r.points.get(1)
+        s1 = (f"{one['output_throughput'] * r.read_per_token / bw:.2f} "
+              f"{mark(one['output_throughput'] * r.read_per_token / bw >= 0.85):4}"
+              if one else "-")
+        p16 = r.points.get(16)
+        s16 = (f"{p16['output_throughput']:.0f}, {p16['p99_itl_ms']:.0f} ms "
+               f"{mark(p16['output_throughput'] >= 200 and p16['p99_itl_ms'] <= 400):4}"
+               if p16 else "-")
+        ratio = r.load_peak / (r.served + r.kv_pool)
+        print(f"{r.label:14} {s1:>17} {s16:>26} {f'{ratio:.2f} {mark(ratio <= 1.3):4}':>15}"
+              + ("  (run failed)" if r.error else ""))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", nargs="+", default=["1b"], choices=["1b", "8b"])
+    ap.add_argument("--types", nargs="+", default=["f16", "q8_0", "q4_0"])
+    ap.add_argument("--quantization", default=None,
+                    help="passed to tandem serve as --quantization (default: not passed)")
+    ap.add_argument("--streams", nargs="+", type=int, default=[1, 16, 32])
+    ap.add_argument("--prompts-per-stream", type=int, default=2,
+                    help="requests per stream at each point (at least 2 in all)")
+    ap.add_argument("--kv-cache-memory", default="2GiB")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads for the probes and tandem serve --num-threads "
+                         "(default: torch's default in both)")
+    ap.add_argument("--load-timeout", type=float, default=1800.0)
+    ap.add_argument("--port", type=int, default=8824)
+    a = ap.parse_args()
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
+
+    files = []
+    for shape in a.shape:
+        for t in a.types:
+            t0 = time.perf_counter()
+            path = synthetic_gguf(shape, t, log=lambda m: print(m, file=sys.stderr, flush=True))
+            files.append((f"{shape} {t}", path, time.perf_counter() - t0))
+    bw = read_bandwidth_gbs() * 1e9
+    flops = {k: matmul_flops(k) for k in ("fp32", "bf16", "int8")}
+    print(f"machine: {os.cpu_count()} CPUs, torch {torch.get_num_threads()} threads; read "
+          f"bandwidth {bw / 1e9:.1f} GB/s; matmul M=128 2048x2048: "
+          + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" if v else f"{k} n/a"
+                      for k, v in flops.items()))
+    for label, path, secs in files:
+        print(f"file {label}: {path} ({'reused' if secs < 1 else f'written in {secs:.0f} s'})")
+    quant = a.quantization if a.quantization is not None else "(not passed)"
+    print(f"tandem serve --quantization {quant}, --kv-cache-memory {a.kv_cache_memory}; "
+          f"bench: 128 in / 128 out, ignore_eos, closed loop, "
+          f"{a.prompts_per_stream} prompts per stream", flush=True)
+
+    results = []
+    for label, path, _ in files:
+        r = measure(label, path, a, a.port)
+        print_result(r, bw, flops)
+        results.append(r)
+    print_targets(results, bw)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""Llama-architecture GGUF files with random weights, for benchmarks at real model sizes.
+
+Shapes (Llama 3 layouts; the tokenizer is the default model's, SmolLM2's, so
+every token id is valid and the server can tokenize prompts):
+
+* ``1b``: 24 layers, hidden 2048, ffn 8192, 32 heads, 8 KV heads, head_dim 64
+  (1.66 B parameters: 1.46 B in the layers, 2 x 0.10 B embedding + LM head);
+* ``8b``: 32 layers, hidden 4096, ffn 14336, 32 heads, 8 KV heads, head_dim 128
+  (7.38 B parameters). Real Llama-3 8B has vocab 128256; we keep the
+  tokenizer's 49152 so the ids are valid, so the embedding and LM head hold
+  0.65 B fewer parameters than a real one (0.36 GB less at Q4_0, 0.69 GB at
+  Q8_0, 1.3 GB at F16). The layers, which decode streams, are the real size.
+
+Tensor types: ``f16``, ``q8_0``, ``q4_0`` (``q4_k`` too where gguf.quants can
+quantize it; gguf 0.19 cannot). Every matrix (token_embd, output, the layer
+matmuls) has the type; the norm weights are F32 ones. The LM head is untied
+(``output.weight``). Weights are N(0, 0.02), drawn per row-chunk from a seed
+derived from (seed, tensor, chunk), so a file is reproducible. numpy does this
+at ~55 M params/s on one core here (threads did not help: 1B in ~30 s, 8B in
+~2.5 min).
+
+Memory: the writer emits the header, metadata and tensor table first, then
+generates, quantizes and writes one tensor at a time (in row chunks of 64 MB
+of float32), so peak RSS is about one quantized tensor plus a few chunks
+(~0.6 GB for the 8B shape), not the model.
+
+Files are cached as ``$TANDEM_CACHE/synthetic/llama-<shape>-<type>-v<N>.gguf``
+(written under a temporary name, then renamed), so reruns reuse them.
+
+    .venv/bin/python benchmarks/synthetic_gguf.py --shape 1b --type q8_0 [--out PATH] [--force]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType, LlamaFileType
+from gguf.quants import quant_shape_to_byte_shape, quantize
+
+FORMAT_VERSION = 1  # bump when the files' content changes (the cache name carries it)
+CHUNK_FLOATS = 16 << 20  # float32 elements generated at once per worker (64 MB)
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    context: int = 8192
+    rope_theta: float = 500000.0
+    rms_eps: float = 1e-5
+
+
+SHAPES = {
+    "1b": Shape(layers=24, hidden=2048, ffn=8192, heads=32, kv_heads=8, head_dim=64),
+    "8b": Shape(layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128),
+}
+TYPES = {
+    "f16": (Q.F16, LlamaFileType.MOSTLY_F16),
+    "q8_0": (Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "q4_0": (Q.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+    "q4_k": (Q.Q4_K, LlamaFileType.MOSTLY_Q4_K_S),
+}
+
+
+def can_quantize(name: str) -> bool:
+    """Whether gguf.quants implements quantization to this type (Q4_K: not in gguf 0.19)."""
+    qtype = TYPES[name][0]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    try:
+        quantize(np.zeros((1, block), np.float32), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def available_types() -> list[str]:
+    return [t for t in TYPES if can_quantize(t)]
+
+
+def default_path(shape: str, qtype: str) -> Path:
+    from tandem.model.gguf import cache_root_dir
+
+    return cache_root_dir() / "synthetic" / f"llama-{shape}-{qtype}-v{FORMAT_VERSION}.gguf"
+
+
+def tensor_list(s: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, numpy-order shape) of every tensor, in file order; 1-D ones are norms."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    out = [("token_embd.weight", (vocab, s.hidden)), ("output_norm.weight", (s.hidden,)),
+           ("output.weight", (vocab, s.hidden))]
+    for i in range(s.layers):
+        b = f"blk.{i}."
+        out += [
+            (b + "attn_norm.weight", (s.hidden,)),
+            (b + "attn_q.weight", (q, s.hidden)),
+            (b + "attn_k.weight", (kv, s.hidden)),
+            (b + "attn_v.weight", (kv, s.hidden)),
+            (b + "attn_output.weight", (s.hidden, q)),
+            (b + "ffn_norm.weight", (s.hidden,)),
+            (b + "ffn_gate.weight", (s.ffn, s.hidden)),
+            (b + "ffn_up.weight", (s.ffn, s.hidden)),
+            (b + "ffn_down.weight", (s.hidden, s.ffn)),
+        ]
+    return out
+
+
+def copy_tokenizer(writer: gguf.GGUFWriter, src: Path) -> int:
+    """Copy every ``tokenizer.*`` field of src (tokens, token types, merges, scores if any,
+    special ids, chat template, ggml.model/pre) with its own types; return the vocab size."""
+    reader = gguf.GGUFReader(str(src))
+    vocab = 0
+    for name, field in reader.fields.items():
+        if not name.startswith("tokenizer."):
+            continue
+        main = field.types[0]
+        value = field.contents()
+        if main == GGUFValueType.ARRAY:
+            writer.add_key_value(name, value, main, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(name, value, main)
+        if name == "tokenizer.ggml.tokens":
+            vocab = len(value)
+    if not vocab:
+        raise ValueError(f"{src} has no tokenizer.ggml.tokens")
+    return vocab
+
+
+def _matrix(shape: tuple[int, int], qtype: Q, seed: int, index: int) -> np.ndarray:
+    """One weight matrix, N(0, 0.02), quantized, generated in float32 row chunks."""
+    rows, cols = shape
+    if qtype == Q.F16:
+        out = np.empty(shape, np.float16)
+    else:
+        out = np.empty(quant_shape_to_byte_shape(shape, qtype), np.uint8)
+    step = max(1, CHUNK_FLOATS // cols)
+    for k, r0 in enumerate(range(0, rows, step)):
+        r1 = min(rows, r0 + step)
+        x = np.random.default_rng([seed, index, k]).standard_normal((r1 - r0, cols),
+                                                                    dtype=np.float32)
+        x *= np.float32(0.02)
+        out[r0:r1] = quantize(x, qtype)
+        del x
+    return out
+
+
+def write_synthetic(path: Path, shape: str, qtype_name: str, *, seed: int = 0,
+                    tokenizer_src: Path | None = None,
+                    log=None) -> dict:
+    """Write the file at path (directly; see synthetic_gguf for the cached, atomic entry
+    point). Returns {'seconds', 'bytes', 'params', 'maxrss_bytes'}."""
+    from tandem.model.gguf import default_model_path
+
+    s = SHAPES[shape]
+    qtype, ftype = TYPES[qtype_name]
+    if not can_quantize(qtype_name):
+        raise ValueError(f"this gguf package cannot quantize to {qtype.name}; "
+                         f"choose one of {available_types()}")
+    t0 = time.perf_counter()
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(f"synthetic-llama-{shape}-{qtype_name}")
+    w.add_block_count(s.layers)
+    w.add_context_length(s.context)
+    w.add_embedding_length(s.hidden)
+    w.add_feed_forward_length(s.ffn)
+    w.add_head_count(s.heads)
+    w.add_head_count_kv(s.kv_heads)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_rope_dimension_count(s.head_dim)
+    w.add_rope_freq_base(s.rope_theta)
+    w.add_layer_norm_rms_eps(s.rms_eps)
+    w.add_file_type(int(ftype))
+    if qtype != Q.F16:
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    vocab = copy_tokenizer(w, tokenizer_src or default_model_path())
+    w.add_vocab_size(vocab)
+
+    tensors = tensor_list(s, vocab)
+    params = 0
+    for name, shp in tensors:
+        params += int(np.prod(shp))
+        if len(shp) == 1:
+            w.add_tensor_info(name, shp, np.dtype(np.float32), shp[0] * 4)
+        elif qtype == Q.F16:
+            w.add_tensor_info(name, shp, np.dtype(np.float16), shp[0] * shp[1] * 2)
+        else:
+            nbytes = int(np.prod(quant_shape_to_byte_shape(shp, qtype)))
+            w.add_tensor_info(name, shp, np.dtype(np.float32), nbytes, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for index, (name, shp) in enumerate(tensors):
+        data = np.ones(shp, np.float32) if len(shp) == 1 else _matrix(shp, qtype, seed, index)
+        w.write_tensor_data(data)
+        del data
+        if log is not None and name.endswith("ffn_down.weight"):
+            layer = int(name.split(".")[1])
+            if layer % 8 == 7 or layer == s.layers - 1:
+                log(f"  {layer + 1}/{s.layers} layers written, {time.perf_counter() - t0:.0f} s")
+    w.close()
+    return {
+        "seconds": time.perf_counter() - t0,
+        "bytes": path.stat().st_size,
+        "params": params,
+        "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+def synthetic_gguf(shape: str, qtype: str, out: str | os.PathLike | None = None, *,
+                   force: bool = False, seed: int = 0, log=None) -> Path:
+    """The cached file for (shape, type) (or out), written first if absent or force."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose one of {list(SHAPES)}")
+    if qtype not in TYPES:
+        raise ValueError(f"unknown type {qtype!r}; choose one of {list(TYPES)}")
+    dest = Path(out) if out is not None else default_path(shape, qtype)
+    if dest.is_file() and not force:
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.tmp-")
+    os.close(fd)
+    try:
+        os.chmod(tmp, 0o644)
+        info = write_synthetic(Path(tmp), shape, qtype, seed=seed, log=log)
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if log is not None:
+        log(f"wrote {dest}: {info['params'] / 1e9:.2f} B params, {info['bytes'] / 1e9:.2f} GB "
+            f"in {info['seconds']:.0f} s (writer peak RSS {info['maxrss_bytes'] / 2**30:.2f} GiB)")
+    return dest
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=list(SHAPES), default="1b")
+    ap.add_argument("--type", dest="qtype", choices=list(TYPES), default="q8_0")
+    ap.add_argument("--out", default=None, help="default: the cache path (reused if present)")
+    ap.add_argument("--force", action="store_true", help="rewrite even if the file exists")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    print(synthetic_gguf(a.shape, a.qtype, a.out, force=a.force, seed=a.seed, log=log))
+
+
+if __name__ == "__main__":
+    main()
