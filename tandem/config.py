@@ -56,8 +56,10 @@ class EngineConfig:
     load_format: str = "auto"  # auto | gguf | hf | dummy
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
-    # auto (a GGUF's own block formats; float weights stay float) | none | int8 | int4
-    quantization: str = "auto"
+    # none | int8 | int4 (every layer matmul) | auto (a GGUF's own block formats;
+    # float weights stay float). Not yet the default: int4 beyond 4 rows still
+    # dequantizes for a GEMM every step, slower at batch than fp32.
+    quantization: str = "none"
     seed: int = 0
     max_model_len: int | None = None
     block_size: int = 16
