@@ -18,11 +18,12 @@ Baselines, measured in this run:
 
 * bandwidth ceiling = tandem.plan.devices.measure_read_bandwidth() / bytes read per
   token. Bytes read per token = the weights the server reports resident (/api/ps
-  ``size``, the engine's model.nbytes) minus what a decode step does not stream: the
-  token embedding (a row lookup) and the norm vectors, counted at the engine dtype the
-  server reports (``quantization_level`` F32/BF16/F16; for any other value the GGUF's own
-  tensor bytes excluding token_embd and norms are used, and the table says "file"). The
-  GGUF figure is printed too: it is what a step would read serving the file's format.
+  ``size``, the engine's model.nbytes; the server exposes no per-step figure) minus
+  what a decode step does not stream: the token embedding (a row lookup) and the norm
+  vectors, as the engine holds them (engine dtype for dense weights, fp16 embedding for
+  quantized ones: see read_per_token; an unknown ``quantization_level`` falls back to
+  the GGUF's tensor bytes excluding token_embd and norms). The GGUF figure is printed
+  too, with its ceiling: what a step reads serving the file's own format.
 * compute ceiling = matmul throughput of this CPU (torch.mm at M=128 of a 2048x2048
   matrix: fp32, bf16, and int8 through torch._int_mm) / (2 x params in the matmuls,
   i.e. all matrices but token_embd); 16/32-stream tok/s is printed as a ratio of the
@@ -33,7 +34,7 @@ streams with p99 ITL <= 400 ms (1.2B int8); peak RSS during load <= 1.3 x
 (weights + KV pool), KV pool = the size the server logs at start-up (else --kv-cache-memory).
 
     .venv/bin/python benchmarks/real_models.py [--shape 1b] [--types f16 q8_0 q4_0]
-        [--quantization X] [--streams 1 16 32] [--prompts-per-stream 2] [--kv-cache-memory 2GiB]
+        [--quantization X] [--streams 1 16 32] [--prompts-per-stream 1] [--kv-cache-memory 2GiB]
 """
 
 from __future__ import annotations
@@ -94,22 +95,25 @@ class FileInfo:
     size: int
     params: int  # all tensors
     matmul_params: int  # 2-D tensors but token_embd
-    not_streamed_elems: int  # token_embd + the 1-D norms: not read by a decode step
+    embed_elems: int  # token_embd: a row lookup, not streamed by a decode step
+    norm_elems: int  # the 1-D norm vectors (negligible, but counted in /api/ps)
     file_read_per_token: int  # GGUF bytes of the matmul tensors
 
 
 def file_info(path: Path) -> FileInfo:
     r = gguf.GGUFReader(str(path))
-    params = matmul = skip = read = 0
+    params = matmul = embed = norms = read = 0
     for t in r.tensors:
         n = int(t.n_elements)
         params += n
-        if t.name == "token_embd.weight" or len(t.shape) == 1:
-            skip += n
+        if t.name == "token_embd.weight":
+            embed += n
+        elif len(t.shape) == 1:
+            norms += n
         else:
             matmul += n
             read += int(t.n_bytes)
-    return FileInfo(path, path.stat().st_size, params, matmul, skip, read)
+    return FileInfo(path, path.stat().st_size, params, matmul, embed, norms, read)
 
 
 # ------------------------------------------------------------------ the server
@@ -204,12 +208,7 @@ def measure(label: str, path: Path, a: argparse.Namespace, port: int) -> Result:
             res.run_peak_reset = reset_peak(proc.pid)
             ps = httpx.get(url + "/api/ps", timeout=10).json()["models"][0]
             res.served, res.level = int(ps["size"]), ps["details"]["quantization_level"]
-            esize = DTYPE_BYTES.get(res.level)
-            if esize is not None:
-                res.read_per_token = res.served - info.not_streamed_elems * esize
-                res.read_source = f"server ({res.level})"
-            else:
-                res.read_per_token, res.read_source = info.file_read_per_token, "file"
+            res.read_per_token, res.read_source = read_per_token(res.served, res.level, info)
             m = KV_LOG.search(log.read_text(errors="replace"))
             if m:
                 res.kv_pool, res.kv_source = int(float(m.group(1)) * 2**30), "server log"
@@ -233,6 +232,23 @@ def measure(label: str, path: Path, a: argparse.Namespace, port: int) -> Result:
                 proc.kill()
                 proc.wait()
     return res
+
+
+def read_per_token(served: int, level: str, info: FileInfo) -> tuple[int, str]:
+    """Bytes a decode step streams: the server's resident weights (/api/ps size, the
+    engine's model.nbytes) minus the token embedding and the norms as the engine holds
+    them: at the engine dtype (level) for dense weights, in fp16 for quantized ones (the
+    loader keeps a quantized model's embedding in fp16 for the row lookup; a model is
+    quantized when it holds fewer bytes than its matmul params at the engine dtype).
+    Without a dtype we know, the GGUF's matmul tensor bytes."""
+    dense_bytes = DTYPE_BYTES.get(level)
+    if dense_bytes is None:
+        return info.file_read_per_token, "GGUF tensors"
+    quantized = served < info.matmul_params * dense_bytes
+    embed_bytes = min(2, dense_bytes) if quantized else dense_bytes
+    kind = "quantized, fp16 embedding" if quantized else f"dense {level}"
+    return (served - info.embed_elems * embed_bytes - info.norm_elems * dense_bytes,
+            f"/api/ps size less embedding and norms: {kind}")
 
 
 def parse_size(text: str) -> int:
@@ -321,7 +337,7 @@ def main() -> None:
     ap.add_argument("--quantization", default=None,
                     help="passed to tandem serve as --quantization (default: not passed)")
     ap.add_argument("--streams", nargs="+", type=int, default=[1, 16, 32])
-    ap.add_argument("--prompts-per-stream", type=int, default=2,
+    ap.add_argument("--prompts-per-stream", type=int, default=1,
                     help="requests per stream at each point (at least 2 in all)")
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--threads", type=int, default=None,
