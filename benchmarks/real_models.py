@@ -54,6 +54,7 @@ import gguf
 import httpx
 import torch
 from common import read_bandwidth_gbs
+from cpu_serving import wait_ready
 from synthetic_gguf import synthetic_gguf
 
 TANDEM = str(Path(sys.executable).parent / "tandem")
@@ -138,20 +139,6 @@ def reset_peak(pid: int) -> bool:
         return False
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
-    t = time.monotonic()
-    while time.monotonic() - t < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError("tandem serve exited during start-up")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"tandem serve did not become ready in {timeout:.0f} s")
-
-
 def run_point(url: str, streams: int, num_prompts: int, outdir: Path) -> dict:
     name = f"c{streams}.json"
     subprocess.run(
@@ -201,7 +188,7 @@ def measure(label: str, path: Path, a: argparse.Namespace, port: int) -> Result:
             t0 = time.monotonic()
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
         try:
-            wait_ready(url, proc, a.load_timeout, log)
+            wait_ready(url, proc, a.load_timeout)
             res.load_s = time.monotonic() - t0
             st = proc_status(proc.pid)
             res.load_peak, res.after_load = st["VmHWM"], st["VmRSS"]
