@@ -57,9 +57,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     # none | int8 | int4 (every layer matmul) | auto (a GGUF's own block formats;
-    # float weights stay float). Not yet the default: int4 beyond 4 rows still
-    # dequantizes for a GEMM every step, slower at batch than fp32.
-    quantization: str = "none"
+    # float weights stay float).
+    quantization: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
     block_size: int = 16

@@ -7,8 +7,8 @@
 // the paged cache through the block table instead of gathering a padded copy
 // (at batch 32 that copy moved ~12 MB per layer per step). The int8 (VNNI) and
 // int4 matmuls stream quantized weights at memory speed at batch 1, where
-// fbgemm's and torch's int4 kernels do not, and int8 quantizes activations in
-// groups of 32 (llama.cpp's Q8_0 way), which fbgemm cannot.
+// fbgemm's and torch's int4 kernels do not, and quantize activations in groups
+// of 32 (llama.cpp's Q8_0 way), which fbgemm cannot.
 //
 // decode_step.h runs a whole decode step (every layer and the LM head) in one
 // OpenMP team, with these kernels and matvec.h's row-streaming fp32 matmul;
@@ -44,7 +44,7 @@ TORCH_LIBRARY(tandem, m) {
       "paged_attention_decode(Tensor q, Tensor cache, Tensor? cache_scale, Tensor block_tables, "
       "Tensor context_lens, int block_size, float scale) -> Tensor");
   m.def("matvec(Tensor x, Tensor w, Tensor? bias) -> Tensor");
-  m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor lo) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor lo, int N) -> Tensor");
   using TensorList = std::vector<at::Tensor>;
   m.class_<tandem::DecodeStep>("DecodeStep")
       .def(torch::init<at::Tensor, at::Tensor, TensorList, int64_t, int64_t, at::Tensor,

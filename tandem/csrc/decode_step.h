@@ -206,7 +206,6 @@ struct DecodeStep : torch::CustomClassHolder {
       const auto [i0, i1] = share(inter, t, nt, unit);  // gate rows [i0, i1) and their up rows
       const auto [v0, v1] = share(vocab, t, nt, StepMatmul::unit(lm_head.kind));
       StepInput in;
-      std::vector<float> tmp;
       for (size_t l = 0; l < caches.size(); l++) {
         const float* sc = cache_scales.empty() ? nullptr : cache_scales[l].data_ptr<float>();
         RopeAndCache rope{cos.data_ptr<float>(), sin.data_ptr<float>(), H, hkv, D,
@@ -216,7 +215,7 @@ struct DecodeStep : torch::CustomClassHolder {
         qkv[l].prepare(xt, hidden, B, in);
         qkv[l].apply(in, head0 * D, head1 * D,
                      qkv_bias.empty() ? nullptr : qkv_bias[l].data_ptr<float>(), false,
-                     qkv_out.data(), qkv_n, tmp);
+                     qkv_out.data(), qkv_n);
         for (int64_t b = 0; b < B; b++) {
           float* row = qkv_out.data() + b * qkv_n;
           for (int64_t h = head0; h < head1; h++) {
@@ -235,23 +234,23 @@ struct DecodeStep : torch::CustomClassHolder {
           att.run_item(w, caches[l].data_ptr(), sc, part.data(), buf);
         for (int64_t s = 0; s < B * att.kv_items; s++) att.merge(s, part.data(), attn_t);
         o[l].prepare(attn_t, H * D, B, in);
-        o[l].apply(in, h0, h1, nullptr, true, x.data(), hidden, tmp);
+        o[l].apply(in, h0, h1, nullptr, true, x.data(), hidden);
 #pragma omp barrier
         normed(post_norm[l]);
         gate_up[l].prepare(xt, hidden, B, in);
-        gate_up[l].apply(in, i0, i1, nullptr, false, gu.data(), 2 * inter, tmp);
-        gate_up[l].apply(in, inter + i0, inter + i1, nullptr, false, gu.data(), 2 * inter, tmp);
+        gate_up[l].apply(in, i0, i1, nullptr, false, gu.data(), 2 * inter);
+        gate_up[l].apply(in, inter + i0, inter + i1, nullptr, false, gu.data(), 2 * inter);
         for (int64_t b = 0; b < B; b++)
           silu_and_mul_row(gu.data() + b * 2 * inter + i0, gu.data() + b * 2 * inter + inter + i0,
                            i1 - i0, act.data() + b * inter + i0);
 #pragma omp barrier
         down[l].prepare(act.data(), inter, B, in);
-        down[l].apply(in, h0, h1, nullptr, true, x.data(), hidden, tmp);
+        down[l].apply(in, h0, h1, nullptr, true, x.data(), hidden);
 #pragma omp barrier
       }
       normed(norm);
       lm_head.prepare(xt, hidden, B, in);
-      lm_head.apply(in, v0, v1, nullptr, false, out, vocab, tmp);
+      lm_head.apply(in, v0, v1, nullptr, false, out, vocab);
       for (int64_t b = 0; b < B; b++) {  // this thread's share of each row's argmax
         const float* row = out + b * vocab;
         for (int64_t v = v0; v < v1; v++)

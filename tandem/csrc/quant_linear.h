@@ -1,150 +1,37 @@
-// Quantized matmuls: int4 and int8 W8A8 (AVX-512 VNNI where the CPU has it).
+// Quantized matmuls: int8 and int4 weights times int8 activations (W8A8 and
+// W4A8), one tiled kernel for both (AVX-512 VNNI where the CPU has it).
+//
+// The arithmetic is tandem.model.linear's reference: each row of x is
+// quantized to int8 in groups of 32 inputs, one scale (absmax / 127) per group,
+// the way llama.cpp's Q8_0 quantizes activations (a per-token scale cost +4.8%
+// perplexity on the default model, per-group +0.9%: one outlier no longer
+// flattens the rest of the row). Each group's products are summed exactly in
+// int32 and scaled once:
+//   int8: y[n] = w_scale[n] * sum_g xs[g] * gs[n, g] * sum_{k in g} qx[k] qw[n, k]
+//         (gs = 1 without group scales; GGUF's Q8_0 blocks are qw * gs exactly);
+//   int4: y[n] = sum_g xs[g] * (gs[n, g] * sum_{k in g} qx[k] qw[n, k] + lo[n, g] * sum_{k in g} qx[k])
+//         (the weight is qw * gs + lo, qw in 0..15: GGUF's Q4_0 / Q4_1 blocks exactly).
+//
+// VNNI multiplies unsigned by signed bytes: int4 weights are unsigned already;
+// int8 weights are stored + 128 (u8) and each group subtracts 128 * sum qx.
+// Weights are packed so no horizontal sums are needed (fbgemm's trick): tile t
+// holds output columns 16 t .. 16 t + 15, and each 64-byte chunk of a tile
+// holds 4 consecutive inputs of its 16 columns (byte 4 j + r: column j), so one
+// instruction adds 4 products to each of 16 outputs.
+//   int8: chunk c holds inputs 4c .. 4c + 3 (packed [tiles, kp / 4, 16, 4]);
+//   int4: chunk 4g + c holds, in its low nibbles, inputs 32g + 4c .. 32g + 4c + 3
+//         and in its high nibbles the 16 after them (packed [tiles, K / 8, 16, 4]:
+//         a row's GGUF bytes tiled the way int8's are).
+// Group scales (and int4's lo) are fp16 [tiles, G, 16], each tile's together.
+// Batch 1 streams the weights at memory speed (int4 reads half of int8's
+// bytes); batches keep a tile pair in L1 while 4 rows of x at a time pass it.
+// Without VNNI a portable loop computes the same integers.
 #pragma once
 
 #include "common.h"
 
 namespace tandem {
 
-// int4 weights for any number of rows (torch's CPU int4 matmul decodes at ~8
-// tok/s here). Group g (32 weights) of row n is 16 bytes at packed[n, 16 g]:
-// byte i holds weight 32 g + i in its low nibble and 32 g + 16 + i in its high
-// one, and the weight is q * scale[n, g] + lo[n, g] (Int4Linear's reference),
-// scale and lo in fp16 (GGUF's Q4_0 / Q4_1 blocks exactly: d and -8 d, or d and m).
-// Few rows (decode): the nibbles are unpacked in registers and each group's dot
-// product is scaled once, y = sum_g scale_g (q_g . x_g) + sum_g lo_g sum(x_g),
-// so the weights stream at memory speed. More rows (prefill): the weight is
-// dequantized to fp32 and multiplied by torch's GEMM.
-constexpr int64_t kInt4GemvMaxRows = 4;
-
-void int4_dequantize_rows(const uint8_t* packed, const uint16_t* scale, const uint16_t* lo,
-                          int64_t n0, int64_t n1, int64_t K, float* w) {
-  const int64_t G = K / 32;
-  for (int64_t n = n0; n < n1; n++)
-    for (int64_t g = 0; g < G; g++) {
-      const uint8_t* by = packed + n * (K / 2) + g * 16;
-      const float s = half_to_float(scale[n * G + g]), l = half_to_float(lo[n * G + g]);
-      float* wg = w + n * K + g * 32;
-#pragma omp simd
-      for (int i = 0; i < 16; i++) wg[i] = static_cast<float>(by[i] & 15) * s + l;
-#pragma omp simd
-      for (int i = 0; i < 16; i++) wg[i + 16] = static_cast<float>(by[i] >> 4) * s + l;
-    }
-}
-
-// xsum [K / 32]: the sums of x's groups of 32, for the lo terms.
-inline void int4_group_sums(const float* x, int64_t K, float* xsum) {
-  for (int64_t g = 0; g < K / 32; g++) {
-    const float* xg = x + g * 32;
-    float t = 0.f;
-#pragma omp simd reduction(+ : t)
-    for (int64_t i = 0; i < 32; i++) t += xg[i];
-    xsum[g] = t;
-  }
-}
-
-// y[n] for one row x, output rows [n0, n1); xsum [G] = per-group sums of x.
-void int4_gemv_rows(const uint8_t* packed, const uint16_t* scale, const uint16_t* lo, int64_t n0,
-                    int64_t n1, int64_t K, const float* x, const float* xsum, float* y) {
-  const int64_t G = K / 32;
-  for (int64_t n = n0; n < n1; n++) {
-    const uint8_t* row = packed + n * (K / 2);
-    const uint16_t* sr = scale + n * G;
-    float zero_term = 0.f;
-    for (int64_t g = 0; g < G; g++) zero_term += half_to_float(lo[n * G + g]) * xsum[g];
-#ifdef __AVX512F__
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-      const __m512i v =
-          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16)));
-      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
-      const __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-      const __m512 t = _mm512_fmadd_ps(q1, _mm512_loadu_ps(x + g * 32 + 16),
-                                       _mm512_mul_ps(q0, _mm512_loadu_ps(x + g * 32)));
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(half_to_float(sr[g])), t, acc);
-    }
-    y[n] = _mm512_reduce_add_ps(acc) + zero_term;
-#else
-    float acc = 0.f;
-    for (int64_t g = 0; g < G; g++) {
-      const uint8_t* by = row + g * 16;
-      float t = 0.f;
-#pragma omp simd reduction(+ : t)
-      for (int i = 0; i < 16; i++)
-        t += static_cast<float>(by[i] & 15) * x[g * 32 + i] +
-             static_cast<float>(by[i] >> 4) * x[g * 32 + 16 + i];
-      acc += half_to_float(sr[g]) * t;
-    }
-    y[n] = acc + zero_term;
-#endif
-  }
-}
-
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                       const at::Tensor& lo) {
-  check_float_rows(x, "x");
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), G = K / 32;
-  TORCH_CHECK(x.dim() == 2 && K % 32 == 0 && packed.scalar_type() == at::kByte &&
-                  packed.is_contiguous() && packed.size(1) == K / 2,
-              "int4_linear: packed must be a contiguous uint8 [N, K / 2] with K % 32 == 0");
-  TORCH_CHECK(scale.is_contiguous() && lo.is_contiguous() && scale.numel() == N * G &&
-                  lo.numel() == N * G && scale.scalar_type() == at::kHalf &&
-                  lo.scalar_type() == at::kHalf,
-              "int4_linear: scale and lo must be contiguous float16 [N, K / 32]");
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
-  const uint16_t* sp = half_ptr(scale);
-  const uint16_t* lp = half_ptr(lo);
-  if (M > kInt4GemvMaxRows) {
-    // Dequantized kInt4DequantRows output rows at a time for the GEMM: the fp32
-    // copy stays a few MB, not the whole matrix (an 8B model's gate/up: 470 MB).
-    constexpr int64_t kInt4DequantRows = 1024;
-    auto out = at::empty({M, N}, x.options());
-    auto w = at::empty({std::min(N, kInt4DequantRows), K}, x.options());
-    for (int64_t n0 = 0; n0 < N; n0 += kInt4DequantRows) {
-      const int64_t nb = std::min(kInt4DequantRows, N - n0);
-      float* wp = w.data_ptr<float>();
-      at::parallel_for(0, nb, 16, [&](int64_t b, int64_t e) {  // rows n0 + [b, e)
-        int4_dequantize_rows(pp + n0 * (K / 2), sp + n0 * G, lp + n0 * G, b, e, K, wp);
-      });
-      out.narrow(1, n0, nb).copy_(at::mm(x, w.narrow(0, 0, nb).t()));
-    }
-    return out;
-  }
-  auto out = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t xs = x.stride(0);
-  std::vector<float> xsum(M * G);  // per-group sums of each row, for the lo terms
-  for (int64_t m = 0; m < M; m++) int4_group_sums(xp + m * xs, K, xsum.data() + m * G);
-  at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
-    for (int64_t m = 0; m < M; m++)
-      int4_gemv_rows(pp, sp, lp, b, e, K, xp + m * xs, xsum.data() + m * G, op + m * N);
-  });
-  return out;
-}
-
-// W8A8 linear for any number of rows, with the arithmetic of
-// tandem.model.linear.Int8Linear's reference: the weights are int8 with one
-// scale per output channel; each row of x is quantized to int8 in groups of
-// 32 inputs, one scale (absmax / 127) per group, the way llama.cpp's Q8_0
-// quantizes activations (a per-token scale cost +4.8% perplexity on the
-// default model, per-group +0.9%: one outlier no longer flattens the rest of
-// the row). Each group's products are summed exactly in int32 and scaled
-// once: y[n] = w_scale[n] * sum_g x_scale[g] * sum_{k in g} q_x[k] q_w[n, k].
-//
-// VNNI multiplies unsigned by signed bytes, so the weights are stored + 128
-// (u8) and each group subtracts 128 * sum_{k in g} q_x[k]. They are packed so
-// no horizontal sums are needed (fbgemm's trick): tile j holds output columns
-// 16 j .. 16 j + 15, and each 64-byte row of a tile holds 4 consecutive
-// inputs of its 16 columns, so one instruction adds 4 products to each of 16
-// outputs. Batch 1 streams the weights at memory speed; batches keep a tile
-// pair in L1 while 4 rows of x at a time pass it. Without VNNI a portable
-// loop computes the same integers.
-// x [M, K] f32; packed [ceil(N/16), kp/4, 16, 4] uint8 (K zero-padded to kp,
-// a multiple of 32, padding weights 128 = 0); w_scale [16 ceil(N/16)].
-// Optionally the weights also have a scale per group of 32 inputs (GGUF's
-// Q8_0 blocks exactly: q * d): g_scale fp16 [ceil(N/16), kp/32, 16], each
-// tile's group scales together; then y[n] = w_scale[n] * sum_g x_scale[g] *
-// g_scale[n, g] * sum_{k in g} q_x[k] q_w[n, k].
 constexpr int64_t kInt8Group = 32;
 constexpr int64_t kInt8RowBlock = 4;
 
@@ -170,19 +57,41 @@ inline void int8_quantize_row(const float* r, int64_t K, int8_t* q, float* scale
   }
 }
 
+// A quantized weight as the tile kernel reads it: int8 (w_scale [16 tiles],
+// gs optional) or int4 (gs and lo required, no w_scale).
+struct TileWeight {
+  const uint8_t* packed;
+  const float* w_scale;  // int8 only
+  const uint16_t* gs;    // fp16 [tiles, G, 16], or nullptr (int8 without group scales)
+  const uint16_t* lo;    // int4 only: fp16 [tiles, G, 16]
+  int64_t N;
+};
+
+// Bytes of one tile of 16 outputs over kp inputs.
+template <bool kInt4>
+constexpr int64_t tile_bytes(int64_t kp) {
+  return kInt4 ? kp * 8 : kp * 16;
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // Outputs of tiles [tile0, tile1) (16 each) for M quantized rows q [M, kp]
-// (scales and sums [M, kp / 32]): out[m, n] = y (+ bias[n]) (+ out[m, n] when
-// accumulate).
-inline void int8_tiles(const int8_t* q, const float* xs, const int32_t* qs, int64_t kp, int64_t M,
-                       const uint8_t* wp, const float* w_scale, const uint16_t* gs, int64_t N,
-                       int64_t tile0, int64_t tile1, const float* bias, bool accumulate,
-                       float* out, int64_t os) {
-  const int64_t kq = kp / 4, G = kp / kInt8Group;
+// (scales xs and sums qs [M, kp / 32]): out[m, n] = y (+ bias[n]) (+ out[m, n]
+// when accumulate).
+template <bool kInt4>
+inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, int64_t kp, int64_t M,
+                        const TileWeight& w, int64_t tile0, int64_t tile1, const float* bias,
+                        bool accumulate, float* out, int64_t os) {
+  const int64_t G = kp / kInt8Group, tb = tile_bytes<kInt4>(kp);
+  const __m512i low4 = _mm512_set1_epi8(15);
+  auto broadcast4 = [&](int64_t m, int64_t k) {  // q[m, k .. k + 3] in every lane
+    int32_t four;
+    std::memcpy(&four, q + m * kp + k, 4);
+    return _mm512_set1_epi32(four);
+  };
   for (int64_t t0 = tile0; t0 < tile1; t0 += 2) {
     const int64_t nt = std::min<int64_t>(2, tile1 - t0);
-    const uint8_t* w0 = wp + t0 * kq * 64;
-    const uint8_t* w1 = w0 + (nt > 1 ? kq * 64 : 0);
+    const uint8_t* w0 = w.packed + t0 * tb;
+    const uint8_t* w1 = w0 + (nt > 1 ? tb : 0);
     for (int64_t m0 = 0; m0 < M; m0 += kInt8RowBlock) {
       const int64_t mr = std::min<int64_t>(kInt8RowBlock, M - m0);
       __m512 facc[kInt8RowBlock][2];
@@ -190,36 +99,63 @@ inline void int8_tiles(const int8_t* q, const float* xs, const int32_t* qs, int6
       for (int64_t g = 0; g < G; g++) {
         __m512i acc[kInt8RowBlock][2];
         for (int i = 0; i < kInt8RowBlock; i++) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
-        for (int64_t c = g * 8; c < g * 8 + 8; c++) {
-          const __m512i wv0 = _mm512_loadu_si512(w0 + c * 64);
-          const __m512i wv1 = _mm512_loadu_si512(w1 + c * 64);
-          for (int64_t i = 0; i < mr; i++) {
-            int32_t four;
-            std::memcpy(&four, q + (m0 + i) * kp + c * 4, 4);
-            const __m512i av = _mm512_set1_epi32(four);
-            acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], wv0, av);
-            acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], wv1, av);
+        if constexpr (kInt4) {
+          for (int64_t c = 0; c < 4; c++) {
+            const __m512i r0 = _mm512_loadu_si512(w0 + (g * 4 + c) * 64);
+            const __m512i r1 = _mm512_loadu_si512(w1 + (g * 4 + c) * 64);
+            const __m512i l0 = _mm512_and_si512(r0, low4), l1 = _mm512_and_si512(r1, low4);
+            const __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(r0, 4), low4);
+            const __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(r1, 4), low4);
+            for (int64_t i = 0; i < mr; i++) {
+              const __m512i al = broadcast4(m0 + i, g * 32 + c * 4);
+              const __m512i ah = broadcast4(m0 + i, g * 32 + 16 + c * 4);
+              acc[i][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[i][0], l0, al), h0, ah);
+              acc[i][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[i][1], l1, al), h1, ah);
+            }
+          }
+        } else {
+          for (int64_t c = g * 8; c < g * 8 + 8; c++) {
+            const __m512i wv0 = _mm512_loadu_si512(w0 + c * 64);
+            const __m512i wv1 = _mm512_loadu_si512(w1 + c * 64);
+            for (int64_t i = 0; i < mr; i++) {
+              const __m512i av = broadcast4(m0 + i, c * 4);
+              acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], wv0, av);
+              acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], wv1, av);
+            }
           }
         }
-        __m512 gv[2] = {_mm512_set1_ps(1.f), _mm512_set1_ps(1.f)};
-        for (int64_t j = 0; gs && j < nt; j++)
-          gv[j] = _mm512_cvtph_ps(_mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(gs + ((t0 + j) * G + g) * 16)));
+        auto group_row = [&](const uint16_t* p, int64_t j) {  // tile t0 + j's 16 values of group g
+          return _mm512_cvtph_ps(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + ((t0 + j) * G + g) * 16)));
+        };
+        __m512 gv[2] = {_mm512_set1_ps(1.f), _mm512_set1_ps(1.f)}, lv[2];
+        for (int64_t j = 0; w.gs && j < nt; j++) gv[j] = group_row(w.gs, j);
+        if constexpr (kInt4)
+          for (int64_t j = 0; j < nt; j++) lv[j] = group_row(w.lo, j);
         for (int64_t i = 0; i < mr; i++) {
-          const __m512i corr = _mm512_set1_epi32(128 * qs[(m0 + i) * G + g]);
-          const __m512 sv = _mm512_set1_ps(xs[(m0 + i) * G + g]);
-          for (int64_t j = 0; j < nt; j++)
-            facc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], corr)),
-                                         gs ? _mm512_mul_ps(sv, gv[j]) : sv, facc[i][j]);
+          const int64_t mg = (m0 + i) * G + g;
+          const __m512 sv = _mm512_set1_ps(xs[mg]);
+          for (int64_t j = 0; j < nt; j++) {
+            if constexpr (kInt4) {
+              facc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][j]),
+                                           _mm512_mul_ps(sv, gv[j]), facc[i][j]);
+              facc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(xs[mg] * static_cast<float>(qs[mg])),
+                                           lv[j], facc[i][j]);
+            } else {
+              const __m512i corr = _mm512_set1_epi32(128 * qs[mg]);
+              facc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], corr)),
+                                           w.gs ? _mm512_mul_ps(sv, gv[j]) : sv, facc[i][j]);
+            }
+          }
         }
       }
       for (int64_t j = 0; j < nt; j++) {
-        const int64_t n0 = (t0 + j) * 16, nn = std::min<int64_t>(16, N - n0);
+        const int64_t n0 = (t0 + j) * 16, nn = std::min<int64_t>(16, w.N - n0);
         const __mmask16 keep = static_cast<__mmask16>((1u << nn) - 1);
-        const __m512 ws = _mm512_loadu_ps(w_scale + n0);
         const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
         for (int64_t i = 0; i < mr; i++) {
-          __m512 v = _mm512_mul_ps(facc[i][j], ws);
+          __m512 v = facc[i][j];
+          if constexpr (!kInt4) v = _mm512_mul_ps(v, _mm512_loadu_ps(w.w_scale + n0));
           float* o = out + (m0 + i) * os + n0;
           if (bias) v = _mm512_add_ps(v, bv);
           if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, o), v);
@@ -231,34 +167,43 @@ inline void int8_tiles(const int8_t* q, const float* xs, const int32_t* qs, int6
 }
 
 #else
-// The same integers without VNNI: output j of a tile, input 4 c + r, is byte
-// 64 c + 4 j + r of the tile.
-inline void int8_tiles(const int8_t* q, const float* xs, const int32_t* qs, int64_t kp, int64_t M,
-                       const uint8_t* wp, const float* w_scale, const uint16_t* gs, int64_t N,
-                       int64_t tile0, int64_t tile1, const float* bias, bool accumulate,
-                       float* out, int64_t os) {
-  const int64_t kq = kp / 4, G = kp / kInt8Group;
+// The same integers without VNNI.
+template <bool kInt4>
+inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, int64_t kp, int64_t M,
+                        const TileWeight& w, int64_t tile0, int64_t tile1, const float* bias,
+                        bool accumulate, float* out, int64_t os) {
+  const int64_t G = kp / kInt8Group, tb = tile_bytes<kInt4>(kp);
   for (int64_t t = tile0; t < tile1; t++) {
-    const uint8_t* w = wp + t * kq * 64;
+    const uint8_t* wt = w.packed + t * tb;
+    auto weight = [&](int64_t k, int64_t j) -> int32_t {  // input k, column j (int8: + 128)
+      if constexpr (kInt4) {
+        const int64_t g = k / 32, h = k % 32;
+        const uint8_t b = wt[(g * 4 + (h % 16) / 4) * 64 + j * 4 + k % 4];
+        return h < 16 ? (b & 15) : (b >> 4);
+      } else {
+        return wt[(k / 4) * 64 + j * 4 + k % 4];
+      }
+    };
     for (int64_t m = 0; m < M; m++) {
       float facc[16] = {0.f};
       for (int64_t g = 0; g < G; g++) {
         int32_t acc[16] = {0};
-        for (int64_t c = g * 8; c < g * 8 + 8; c++)
-          for (int64_t r = 0; r < 4; r++) {
-            const int32_t a = q[m * kp + c * 4 + r];
-#pragma omp simd
-            for (int64_t j = 0; j < 16; j++) acc[j] += static_cast<int32_t>(w[c * 64 + j * 4 + r]) * a;
-          }
-        const int32_t corr = 128 * qs[m * G + g];
-        const float sv = xs[m * G + g];
-        for (int64_t j = 0; j < 16; j++)
-          facc[j] += static_cast<float>(acc[j] - corr) *
-                     (gs ? sv * half_to_float(gs[(t * G + g) * 16 + j]) : sv);
+        for (int64_t k = g * kInt8Group; k < (g + 1) * kInt8Group; k++)
+          for (int64_t j = 0; j < 16; j++) acc[j] += weight(k, j) * q[m * kp + k];
+        const int64_t mg = m * G + g;
+        for (int64_t j = 0; j < 16; j++) {
+          const float gsv = w.gs ? half_to_float(w.gs[(t * G + g) * 16 + j]) : 1.f;
+          if constexpr (kInt4)
+            facc[j] += static_cast<float>(acc[j]) * xs[mg] * gsv +
+                       xs[mg] * static_cast<float>(qs[mg]) *
+                           half_to_float(w.lo[(t * G + g) * 16 + j]);
+          else
+            facc[j] += static_cast<float>(acc[j] - 128 * qs[mg]) * xs[mg] * gsv;
+        }
       }
       const int64_t n0 = t * 16;
-      for (int64_t j = 0; j < 16 && n0 + j < N; j++) {
-        float v = facc[j] * w_scale[n0 + j];
+      for (int64_t j = 0; j < 16 && n0 + j < w.N; j++) {
+        float v = kInt4 ? facc[j] : facc[j] * w.w_scale[n0 + j];
         if (bias) v += bias[n0 + j];
         float& o = out[m * os + n0 + j];
         o = accumulate ? o + v : v;
@@ -268,44 +213,101 @@ inline void int8_tiles(const int8_t* q, const float* xs, const int32_t* qs, int6
 }
 #endif
 
-// An int8 weight's optional group scales (empty: none) checked against its layout.
-inline void check_int8_group_scales(const at::Tensor& g_scale, int64_t tiles, int64_t kp) {
-  TORCH_CHECK(g_scale.numel() == 0 ||
-                  (g_scale.scalar_type() == at::kHalf && g_scale.is_contiguous() &&
-                   g_scale.numel() == tiles * (kp / kInt8Group) * 16),
-              "int8 group scales must be float16 [ceil(N / 16), padded K / 32, 16] or empty");
+// fp16 group values (scales, lo) of a tiled weight, or empty where optional.
+inline bool tile_groups_ok(const at::Tensor& t, int64_t tiles, int64_t kp, bool optional) {
+  return (optional && t.numel() == 0) ||
+         (t.device().is_cpu() && t.scalar_type() == at::kHalf && t.is_contiguous() &&
+          t.numel() == tiles * (kp / kInt8Group) * 16);
+}
+
+// Checks a tiled weight's tensors against an [N, K] matmul: int8 (packed,
+// w_scale float32 [16 tiles], group scales or empty) or int4 (packed, scale, lo).
+inline void check_tiles(bool int4, const at::Tensor& packed, const at::Tensor& a,
+                        const at::Tensor& b, int64_t N, int64_t K, const char* name) {
+  const int64_t tiles = (N + 15) / 16, kp = (K + kInt8Group - 1) / kInt8Group * kInt8Group;
+  bool ok = packed.device().is_cpu() && packed.is_contiguous() &&
+            packed.scalar_type() == at::kByte && packed.dim() == 4 && packed.size(0) == tiles &&
+            packed.size(2) == 16 && packed.size(3) == 4;
+  if (int4)
+    ok = ok && K % kInt8Group == 0 && packed.size(1) * 8 == K && tile_groups_ok(a, tiles, kp, false) &&
+         tile_groups_ok(b, tiles, kp, false);
+  else
+    ok = ok && packed.size(1) * 4 == kp && a.scalar_type() == at::kFloat && a.is_contiguous() &&
+         a.numel() == tiles * 16 && tile_groups_ok(b, tiles, kp, true);
+  TORCH_CHECK(ok, name, ": the tensors do not hold a tiled ", int4 ? "int4" : "int8", " ", N,
+              " x ", K, " weight (tandem.model.linear's layout)");
+}
+
+inline TileWeight tile_weight(bool int4, const at::Tensor& packed, const at::Tensor& a,
+                              const at::Tensor& b, int64_t N) {
+  if (int4) return {packed.data_ptr<uint8_t>(), nullptr, half_ptr(a), half_ptr(b), N};
+  return {packed.data_ptr<uint8_t>(), a.data_ptr<float>(), b.numel() ? half_ptr(b) : nullptr,
+          nullptr, N};
+}
+
+// Rows x [M, K] quantized for the tile kernel: q [M, kp], group scales and sums [M, kp / 32].
+struct QuantizedRows {
+  int64_t M = 0, kp = 0;
+  std::vector<int8_t> q;
+  std::vector<float> xs;
+  std::vector<int32_t> qs;
+
+  void quantize(const float* x, int64_t stride, int64_t M_, int64_t K, bool parallel) {
+    M = M_;
+    kp = (K + kInt8Group - 1) / kInt8Group * kInt8Group;
+    const int64_t G = kp / kInt8Group;
+    q.assign(M * kp, 0);
+    xs.resize(M * G);
+    qs.resize(M * G);
+    auto rows = [&](int64_t b, int64_t e) {
+      for (int64_t m = b; m < e; m++)
+        int8_quantize_row(x + m * stride, K, q.data() + m * kp, xs.data() + m * G,
+                          qs.data() + m * G);
+    };
+    if (parallel)
+      at::parallel_for(0, M, 64, rows);
+    else
+      rows(0, M);
+  }
+
+  // Outputs of tiles [tile0, tile1) of weight w into out (see quant_tiles).
+  void apply(bool int4, const TileWeight& w, int64_t tile0, int64_t tile1, const float* bias,
+             bool accumulate, float* out, int64_t os) const {
+    if (int4)
+      quant_tiles<true>(q.data(), xs.data(), qs.data(), kp, M, w, tile0, tile1, bias, accumulate,
+                        out, os);
+    else
+      quant_tiles<false>(q.data(), xs.data(), qs.data(), kp, M, w, tile0, tile1, bias,
+                         accumulate, out, os);
+  }
+};
+
+// y = x W^T for a tiled int8 (a: w_scale, b: group scales or empty) or int4
+// (a: scale, b: lo) weight of N outputs.
+at::Tensor quant_linear(bool int4, const at::Tensor& x, const at::Tensor& packed,
+                        const at::Tensor& a, const at::Tensor& b, int64_t N) {
+  check_float_rows(x, "x");
+  TORCH_CHECK(x.dim() == 2, "x must be a matrix");
+  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0);
+  check_tiles(int4, packed, a, b, N, K, int4 ? "int4_linear" : "int8_linear");
+  const TileWeight w = tile_weight(int4, packed, a, b, N);
+  auto out = at::empty({M, N}, x.options());
+  QuantizedRows rows;
+  rows.quantize(x.data_ptr<float>(), x.stride(0), M, K, true);
+  at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t b0, int64_t e) {
+    rows.apply(int4, w, b0 * 2, std::min(e * 2, tiles), nullptr, false, out.data_ptr<float>(), N);
+  });
+  return out;
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
                        const at::Tensor& g_scale, int64_t N) {
-  check_float_rows(x, "x");
-  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), kq = packed.size(1);
-  const int64_t kp = (K + kInt8Group - 1) / kInt8Group * kInt8Group;
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.is_contiguous() &&
-                  packed.scalar_type() == at::kByte && packed.size(2) == 16 &&
-                  packed.size(3) == 4 && kq * 4 == kp && tiles == (N + 15) / 16,
-              "int8_linear: packed must be Int8Linear's layout for x's width and N outputs");
-  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() &&
-                  w_scale.numel() == tiles * 16,
-              "int8_linear: w_scale must be float32 with one entry per padded output");
-  check_int8_group_scales(g_scale, tiles, kp);
-  const uint16_t* gs = g_scale.numel() ? half_ptr(g_scale) : nullptr;
-  auto out = at::empty({M, N}, x.options());
-  const int64_t G = kp / kInt8Group;
-  std::vector<int8_t> q(M * kp, 0);
-  std::vector<float> xs(M * G);
-  std::vector<int32_t> qs(M * G);
-  at::parallel_for(0, M, 64, [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; m++)
-      int8_quantize_row(x.data_ptr<float>() + m * x.stride(0), K, q.data() + m * kp,
-                        xs.data() + m * G, qs.data() + m * G);
-  });
-  at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t b, int64_t e) {
-    int8_tiles(q.data(), xs.data(), qs.data(), kp, M, packed.data_ptr<uint8_t>(),
-               w_scale.data_ptr<float>(), gs, N, b * 2, std::min(e * 2, tiles), nullptr, false,
-               out.data_ptr<float>(), N);
-  });
-  return out;
+  return quant_linear(false, x, packed, w_scale, g_scale, N);
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                       const at::Tensor& lo, int64_t N) {
+  return quant_linear(true, x, packed, scale, lo, N);
 }
 
 }  // namespace tandem

@@ -29,10 +29,9 @@ if TYPE_CHECKING:  # the engine's types, read by attribute only
 
 logger = logging.getLogger(__name__)
 
-# Largest decode batch per weight kind (dense, int8, int4) the step takes:
-# measured on the default model, beyond this the per-op path's GEMMs (MKL;
-# for int4, dequantize + MKL) are as fast or faster.
-MAX_BATCH = {0: 64, 1: 64, 2: 4}
+# Largest decode batch the step takes: measured on the default model, beyond
+# this the per-op path's GEMMs are as fast or faster.
+MAX_BATCH = 64
 
 
 def _matmuls(model: LlamaModel) -> list:
@@ -46,7 +45,7 @@ class DecodeStep:
     def __init__(self, model: LlamaModel, kv_caches: list[KVCache], block_size: int) -> None:
         layers = model.layers
         args = [lin.step_args for lin in _matmuls(model)]
-        self.max_batch = min(MAX_BATCH[kind] for kind, _ in args)
+        self.max_batch = MAX_BATCH
         self.block_size = block_size
         caches = [cache.kernel_args for cache in kv_caches]
         lm_kind, lm_tensors = model.lm_head.step_args

@@ -6,7 +6,7 @@ which saves an op per residual on the hot path), built from an HF-layout
 weight ``[out, in]``.
 
 Quantization trades a little quality for fewer bytes read per decode step
-(the seeds' strongest lever on decode speed):
+(decode at small batch is bound by reading them):
 
 * int8: symmetric, one fp32 scale per output channel when tandem quantizes a
   float weight; from a GGUF's Q8_0 blocks (or a format requantized to int8)
@@ -20,12 +20,15 @@ Quantization trades a little quality for fewer bytes read per decode step
   CUDA) the weight is dequantized per call: memory saved, not time.
 * int4: asymmetric, groups of 32 input weights with an fp16 scale and lo each
   (GGUF's Q4_0 / Q4_1 blocks exactly, Q4_K's within fp16 rounding of its
-  scales). On CPU, tandem's kernel unpacks the nibbles in registers for up to
-  4 rows and dequantizes for torch's GEMM beyond. Elsewhere it dequantizes
-  per call.
+  scales). On CPU the same kernel as int8's multiplies them with the
+  activations quantized the same way (W4A8, llama.cpp's Q4_0 x Q8_0): the
+  nibbles are unpacked in registers, so batch 1 reads half of int8's bytes
+  and batches cost what int8's do. Elsewhere it dequantizes per call.
 """
 
 from __future__ import annotations
+
+from enum import IntEnum
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +37,15 @@ from tandem import _custom_ops
 
 INT4_GROUP_SIZE = 32
 INT8_GROUP_SIZE = 32  # inputs per activation scale (tandem/csrc/quant_linear.h: kInt8Group)
+
+
+class WeightKind(IntEnum):
+    """A matmul's weight format as tandem's C++ decode step numbers it
+    (tandem/csrc/step_matmul.h: WeightKind)."""
+
+    DENSE = 0
+    INT8 = 1
+    INT4 = 2
 
 
 class DenseLinear:
@@ -59,7 +71,7 @@ class DenseLinear:
         """(weight kind, tensors) as tandem's C++ decode step takes them."""
         if self.w.device.type != "cpu" or self.w.dtype != torch.float32:
             return None
-        return 0, [self.w, self.w, self.w]  # the kind's two other tensors: unused
+        return WeightKind.DENSE, [self.w, self.w, self.w]  # the kind's two other tensors: unused
 
     @property
     def nbytes(self) -> int:
@@ -185,6 +197,33 @@ def quantize_int4(w: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight("int4", packed, scale, lo)
 
 
+def _tile_pack(u8: torch.Tensor, group: int, pad: int) -> torch.Tensor:
+    """uint8 [n, k] -> tiles [ceil(n / 16), kp / 4, 16, 4] (kp: k padded to whole
+    groups of ``group`` bytes with ``pad``): each 64 bytes hold 4 consecutive
+    columns of a tile's 16 rows (tandem/csrc/quant_linear.h). Tile by tile, so
+    no second full-size temporary."""
+    n, k = u8.shape
+    tiles, kp = -(-n // 16), -(-k // group) * group
+    if (tiles * 16, kp) != (n, k):
+        padded = torch.full((tiles * 16, kp), pad, dtype=torch.uint8)
+        padded[:n, :k] = u8
+        u8 = padded
+    packed = torch.empty(tiles, kp // 4, 16, 4, dtype=torch.uint8)
+    step = _CHUNK_ROWS // 16
+    for t in range(0, tiles, step):
+        packed[t:t + step] = u8[t * 16:(t + step) * 16].view(-1, 16, kp // 4, 4).permute(0, 2, 1, 3)
+    return packed
+
+
+def _tile_groups(v: torch.Tensor) -> torch.Tensor:
+    """Per-group values fp16 [n, G] -> [ceil(n / 16), G, 16]: a tile's together."""
+    n, g = v.shape
+    tiles = -(-n // 16)
+    padded = torch.zeros(tiles * 16, g, dtype=torch.float16)
+    padded[:n] = v
+    return padded.view(tiles, 16, g).transpose(1, 2).contiguous()
+
+
 class Int8Linear(_QuantLinear):
     def __init__(self, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None
                  ) -> None:
@@ -210,35 +249,15 @@ class Int8Linear(_QuantLinear):
         self._nbytes = out_f * in_f + out_f * 4 + (0 if gs is None else gs.numel() * 2)
         self.kernel = self.cpu and _custom_ops.AVAILABLE
         if self.kernel:
-            self._pack_for_kernel(q)
+            # int8 x + 128 as uint8 is x's bits with the top one flipped; padding 128 is 0.
+            self.wpack = _tile_pack(q.view(torch.uint8) ^ 128, INT8_GROUP_SIZE, pad=128)
+            self.w_scale = torch.zeros(self.wpack.shape[0] * 16)
+            self.w_scale[:out_f] = self.scale
+            # Group scales come from blocks of 32 (in_features % 32 == 0): no padding.
+            self.g_pack = torch.empty(0, dtype=torch.float16) if gs is None else _tile_groups(gs)
+            self.out_features = out_f
         else:
             self.q = q  # [out, in], dequantized per call (no kernel for it here)
-
-    def _pack_for_kernel(self, q: torch.Tensor) -> None:
-        """[out, in] int8 -> uint8 (+ 128) tiles of 16 outputs x (4 inputs per 64
-        bytes), inputs zero-padded to whole groups, group scales tile by tile
-        (tandem/csrc/quant_linear.h)."""
-        n, k = q.shape
-        tiles, kp = -(-n // 16), -(-k // INT8_GROUP_SIZE) * INT8_GROUP_SIZE
-        # int8 x + 128 as uint8 is x's bits with the top one flipped; padding is 128 (= 0).
-        u8 = q.view(torch.uint8) ^ 128
-        if (tiles * 16, kp) != (n, k):
-            padded = torch.full((tiles * 16, kp), 128, dtype=torch.uint8)
-            padded[:n, :k] = u8
-            u8 = padded
-        self.wpack = torch.empty(tiles, kp // 4, 16, 4, dtype=torch.uint8)
-        step = _CHUNK_ROWS // 16
-        for t in range(0, tiles, step):  # tile by tile: no second full-size temporary
-            part = u8[t * 16:(t + step) * 16].view(-1, 16, kp // 4, 4)
-            self.wpack[t:t + step] = part.permute(0, 2, 1, 3)
-        self.w_scale = torch.zeros(tiles * 16)
-        self.w_scale[:n] = self.scale
-        self.g_pack = torch.empty(0, dtype=torch.float16)
-        if self.group_scale is not None:
-            gs = torch.zeros(tiles * 16, kp // INT8_GROUP_SIZE, dtype=torch.float16)
-            gs[:n] = self.group_scale
-            self.g_pack = gs.view(tiles, 16, -1).transpose(1, 2).contiguous()
-        self.out_features = n
 
     def dequantize(self) -> torch.Tensor:
         """The weight [out, in] in fp32, as the torch paths multiply it."""
@@ -259,7 +278,7 @@ class Int8Linear(_QuantLinear):
 
     @property
     def step_args(self) -> tuple[int, list[torch.Tensor]] | None:
-        return (1, [self.wpack, self.w_scale, self.g_pack]) if self.kernel else None
+        return (WeightKind.INT8, [self.wpack, self.w_scale, self.g_pack]) if self.kernel else None
 
     @property
     def nbytes(self) -> int:
@@ -276,21 +295,28 @@ class Int4Linear(_QuantLinear):
         self.bias = bias
         self.cpu = qw.data.device.type == "cpu"
         self.kernel = self.cpu and _custom_ops.AVAILABLE
-        self.packed = qw.data.contiguous()  # [n, k / 2]
-        self.scale, self.lo = qw.scale.contiguous(), qw.lo.contiguous()  # fp16 [n, k / 32]
-        self._weight = qw
         self._nbytes = n * k // 2 + 2 * n * (k // INT4_GROUP_SIZE) * 2
+        self.out_features = n
+        if self.kernel:
+            # A row's bytes are already 16 low + 16 high nibbles per group: the
+            # kernel's chunks are those bytes tiled as int8's are (padding 0).
+            self.packed = _tile_pack(qw.data, INT4_GROUP_SIZE // 2, pad=0)
+            self.scale, self.lo = _tile_groups(qw.scale), _tile_groups(qw.lo)
+        else:
+            self._weight = qw  # dequantized per call (no kernel for it here)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel:
-            return torch.ops.tandem.int4_linear(x.float(), self.packed, self.scale, self.lo).to(
-                x.dtype)
-        # No kernel here (no compiler, or CUDA): dequantized per call, memory not time saved.
-        return torch.mm(x, self._weight.dequantize().to(x.dtype).t())
+            return torch.ops.tandem.int4_linear(
+                x.float(), self.packed, self.scale, self.lo, self.out_features).to(x.dtype)
+        w = self._weight.dequantize()
+        if self.cpu:  # the kernel's arithmetic (W4A8) in torch: slower
+            return torch.mm(quantize_activations(x.float()), w.t()).to(x.dtype)
+        return torch.mm(x, w.to(x.dtype).t())
 
     @property
     def step_args(self) -> tuple[int, list[torch.Tensor]] | None:
-        return (2, [self.packed, self.scale, self.lo]) if self.kernel else None
+        return (WeightKind.INT4, [self.packed, self.scale, self.lo]) if self.kernel else None
 
     @property
     def nbytes(self) -> int:

@@ -53,21 +53,26 @@ def test_int8_matches_dequantized_reference():
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["tandem-kernel", "torch"])
 def test_int4_matches_dequantized_reference_exactly(kernel, monkeypatch):
+    """int4 multiplies as its dequantized weight with W4A8's per-group
+    activations, at every batch size, kernel and torch alike."""
     if not kernel:
         monkeypatch.setattr(_custom_ops, "AVAILABLE", False)
-    w, b = weights()
+    w, b = weights(40, 128)  # 40 outputs: a partial tile of 16
     lin = Int4Linear(w, b)
     assert lin.kernel == kernel
-    wg = w.view(96, 4, 32)
+    wg = w.view(40, 4, 32)
     # Scale and lo are stored in fp16 (GGUF's Q4_1 blocks), q rounded against them.
     lo = wg.amin(-1, keepdim=True).half().float()
     scale = ((wg.amax(-1, keepdim=True) - lo) / 15).half().float()
-    deq = (torch.round((wg - lo) / scale).clamp(0, 15) * scale + lo).view(96, 128)
-    for rows in (1, 3, 4, 5, 17):  # the kernel's register path up to 4 rows, GEMM beyond
+    deq = (torch.round((wg - lo) / scale).clamp(0, 15) * scale + lo).view(40, 128)
+    for rows in (1, 3, 4, 5, 17):  # whole and partial blocks of 4 rows
         x = torch.randn(rows, 128)
-        torch.testing.assert_close(lin(x), x @ deq.t() + b, atol=1e-4, rtol=1e-4)
+        ref = quantize_activations(x).double() @ deq.double().t() + b.double()
+        torch.testing.assert_close(lin(x).double(), ref, atol=1e-4, rtol=1e-4)
+        # Per-row scales: a row's result does not depend on the rest of the batch.
+        torch.testing.assert_close(lin(x[-1:]), lin(x)[-1:])
     assert (deq - w).abs().max() <= scale.max() / 2 + 1e-3
-    assert lin.nbytes == w.numel() // 2 + 96 * 4 * 2 * 2  # nibbles + fp16 scale, lo / 32
+    assert lin.nbytes == w.numel() // 2 + 40 * 4 * 2 * 2  # nibbles + fp16 scale, lo / 32
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["tandem-kernel", "torch"])
