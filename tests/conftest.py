@@ -27,6 +27,14 @@ TINY_CONFIG = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _cpu_unless_cuda_test(request, monkeypatch):
+    """The suite tests the CPU paths (what CI has) even on a machine with a GPU,
+    where device "auto" would pick CUDA; tests/cuda/ tests the GPU paths."""
+    if "cuda" not in request.node.path.parts:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 @pytest.fixture(scope="session")
 def tiny_config_path(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny") / "config.json"

@@ -32,6 +32,14 @@ from tandem.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 2 * 2**30
+# CPU token budgets (LLMEngine._cpu_token_budgets): a step with decodes costs
+# at most ~ITL_BOUND single-stream steps; a prefill-only step reads the weights
+# for at most 1 / PREFILL_READ_SHARE of its time. Measured with a prompt of
+# CPU_BUDGET_PROBE_TOKENS, kept within CPU_BUDGET_RANGE.
+ITL_BOUND = 3
+PREFILL_READ_SHARE = 8
+CPU_BUDGET_PROBE_TOKENS = 32
+CPU_BUDGET_RANGE = (16, 2048)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -88,9 +96,12 @@ class LLMEngine:
             c.kv_cache_dtype).bytes_per_token_layer(cfg.num_key_value_heads, cfg.head_dim,
                                                     self.dtype)
         block_bytes = bytes_per_token * c.block_size
-        # CPU default 128: at 16 streams through the server it kept p99 ITL at 184 ms (512:
-        # 517 ms) for the same aggregate tok/s; a prefill chunk delays every stream.
-        budget_tokens = c.max_num_batched_tokens or (8192 if self.device.type == "cuda" else 128)
+        # An explicit budget holds for every step; CPU's default follows the model's cost.
+        budget_tokens = prefill_only_tokens = c.max_num_batched_tokens
+        if budget_tokens is None and self.device.type == "cuda":
+            budget_tokens = prefill_only_tokens = 8192
+        elif budget_tokens is None:
+            budget_tokens, prefill_only_tokens = self._cpu_token_budgets()
         if c.kv_cache_memory is not None:
             budget = int(c.kv_cache_memory)
         elif self.device.type == "cuda":
@@ -120,6 +131,8 @@ class LLMEngine:
                            max_len, pool_tokens)
             max_len = pool_tokens
         self.max_model_len = max_len
+        if not c.enable_chunked_prefill and c.max_num_batched_tokens is None:
+            budget_tokens = prefill_only_tokens = max(budget_tokens, max_len)
         if not c.enable_chunked_prefill and budget_tokens < max_len:
             raise ValueError(
                 f"without chunked prefill --max-num-batched-tokens ({budget_tokens}) must be "
@@ -131,19 +144,51 @@ class LLMEngine:
         )
         self.kv_manager = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.kv_manager, c.max_num_seqs, budget_tokens, c.enable_chunked_prefill
+            self.kv_manager, c.max_num_seqs, budget_tokens, c.enable_chunked_prefill,
+            prefill_only_tokens,
         )
         self.runner = ModelRunner(self.model, self.kv_caches, c.block_size, self.eos_token_id)
         self.kv_bytes_per_token = bytes_per_token
         logger.info(
             "KV cache (%s): %d blocks x %d tokens = %d tokens, %d bytes/token (%.2f GiB); "
             "max_model_len %d -> %.1f full-context conversations fit; "
-            "max_num_seqs %d, max_num_batched_tokens %d",
+            "max_num_seqs %d, max_num_batched_tokens %d (%d in steps where no stream decodes)",
             c.kv_cache_dtype if c.kv_cache_dtype != "auto" else str(self.dtype).split(".")[-1],
             num_blocks, c.block_size, pool_tokens, bytes_per_token,
             num_blocks * block_bytes / 2**30, max_len, pool_tokens / max_len,
-            c.max_num_seqs, budget_tokens,
+            c.max_num_seqs, budget_tokens, prefill_only_tokens,
         )
+
+    def _cpu_token_budgets(self) -> tuple[int, int]:
+        """Token budgets from this model's measured cost on this CPU: (steps
+        with decoding streams, steps with none).
+
+        A step costs about t1 (one token: reading the weights) plus c per
+        further token (compute). A prefill chunk delays every decoding stream
+        by its cost, so steps with decodes get 1 + (ITL_BOUND - 1) t1 / c
+        tokens, about ITL_BOUND single-stream steps; steps with only prefills
+        delay no stream and get enough tokens that reading the weights is at
+        most 1 / PREFILL_READ_SHARE of the step. A fixed 128 tuned on a 135M
+        model made a 1.2B model's chunk stall every stream ~1 s.
+        """
+        def cost(n: int, runs: int) -> float:
+            best = float("inf")
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                self.score_tokens([0] * n, 1)
+                best = min(best, time.perf_counter() - t0)
+            return best
+
+        # First calls (thread team, allocator, weights' first touch) are not the model's cost.
+        cost(1, 2), cost(CPU_BUDGET_PROBE_TOKENS, 1)
+        t1, tp = cost(1, 3), cost(CPU_BUDGET_PROBE_TOKENS, 2)
+        per_token = max((tp - t1) / (CPU_BUDGET_PROBE_TOKENS - 1), 1e-9)
+        lo, hi = CPU_BUDGET_RANGE
+        decode = min(max(int(1 + (ITL_BOUND - 1) * t1 / per_token), lo), hi)
+        prefill = min(max(int(1 + PREFILL_READ_SHARE * t1 / per_token), decode), hi)
+        logger.info("token budget %d (%d without decodes): a 1-token step costs %.1f ms, each "
+                    "further token %.2f ms", decode, prefill, t1 * 1e3, per_token * 1e3)
+        return decode, prefill
 
     def _cuda_kv_budget(self, num_tokens: int) -> int:
         """Bytes left for the KV pool: the utilization target minus everything else.
@@ -151,12 +196,16 @@ class LLMEngine:
         A warm-up forward of a full token budget (one prefill sequence, with a
         scratch cache) measures the activation peak on top of the weights; memory
         held outside torch's allocator (CUDA context, libraries) is counted too.
+        One sequence holds at most the model's positions: a budget beyond them
+        (several sequences in a step) scales the measured activations linearly.
         """
         c = self.config
+        n = min(num_tokens, self.model_config.max_position_embeddings)
         torch.cuda.reset_peak_memory_stats()
-        self.score_tokens([0] * num_tokens, logits_rows=min(num_tokens, c.max_num_seqs))
+        weights = torch.cuda.memory_allocated()
+        self.score_tokens([0] * n, logits_rows=min(n, c.max_num_seqs))
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        peak = weights + (torch.cuda.max_memory_allocated() - weights) * num_tokens // n
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         outside_torch = (total - free) - torch.cuda.memory_reserved()

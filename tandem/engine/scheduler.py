@@ -1,6 +1,8 @@
 """The scheduler: one step's plan under a token budget (vLLM V1 semantics).
 
-Every step has ``max_num_batched_tokens``. Running requests take it first, in
+Every step with a decoding stream has ``max_num_batched_tokens``; a step
+with none (only prompts to prefill, no stream to delay) has
+``prefill_only_tokens`` (the same unless set larger). Running requests take it first, in
 order: a decode costs 1 token, an unfinished prefill chunk up to the rest of
 the budget. Then waiting requests are admitted FCFS while budget, the sequence
 cap and free blocks allow; only the last admitted one may be chunked. Prefill
@@ -50,10 +52,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        prefill_only_tokens: int | None = None,
     ) -> None:
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_only_tokens = max(prefill_only_tokens or 0, max_num_batched_tokens)
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -75,7 +79,9 @@ class Scheduler:
 
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        # A running request with one token left to compute is decoding.
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        budget = self.max_num_batched_tokens if decoding else self.prefill_only_tokens
         kv = self.kv
 
         # 1. Running requests first, oldest first.

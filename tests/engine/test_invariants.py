@@ -43,8 +43,11 @@ def run_workload(engine: LLMEngine, arrivals: list[tuple[int, list[int], int]]):
     original_schedule = sched.schedule
 
     def checked_schedule(now):
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in sched.running)
         out = original_schedule(now)
-        assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
+        # Steps that delay a decoding stream keep the (smaller) decode budget.
+        budget = sched.max_num_batched_tokens if decoding else sched.prefill_only_tokens
+        assert out.total_num_scheduled_tokens <= budget
         assert len(sched.running) <= sched.max_num_seqs
         assert len(out.requests) == len({id(r) for r in out.requests})
         assert all(n >= 1 for n in out.num_scheduled_tokens)
