@@ -34,7 +34,8 @@ FORMAT_VERSION = 2
 
 _ARCHITECTURES = {
     # GGUF general.architecture -> (HF model_type, HF architectures[0])
-    "llama": ("llama", "LlamaForCausalLM"),
+    "llama": ("llama", "LlamaForCausalLM"),  # also Mistral's: llama.cpp writes it as llama
+    "phi3": ("phi3", "Phi3ForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
 }
@@ -77,6 +78,12 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Phi-3 keeps HF's fused matmuls: attn_qkv is qkv_proj, ffn_up holds gate and up.
+_PHI3_LAYER_NAMES = {
+    **{k: v for k, v in _LAYER_NAMES.items() if k != "ffn_up.weight"},
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -319,7 +326,11 @@ def _hf_config(reader, arch: str, tensors: dict, src: Path) -> tuple[dict, str |
     n_heads = need("attention.head_count")
     n_kv = need("attention.head_count_kv") if get("attention.head_count_kv") else n_heads
     ffn = need("feed_forward_length")
-    head_dim = int(get("attention.key_length") or get("rope.dimension_count") or hidden // n_heads)
+    rope_dims = get("rope.dimension_count")
+    if arch == "phi3":  # its rope.dimension_count is the rotated part of a head
+        head_dim = int(get("attention.key_length") or hidden // n_heads)
+    else:
+        head_dim = int(get("attention.key_length") or rope_dims or hidden // n_heads)
     emb = tensors.get("token_embd.weight")
     if emb is None:
         raise ValueError(f"{src}: GGUF has no token_embd.weight tensor")
@@ -344,12 +355,20 @@ def _hf_config(reader, arch: str, tensors: dict, src: Path) -> tuple[dict, str |
         "torch_dtype": "float32",
         "attention_bias": arch == "qwen2",
     }
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        config["partial_rotary_factor"] = int(rope_dims) / head_dim
+    window = get("attention.sliding_window")
+    if arch == "phi3" and window:  # 0: none (Phi-4); llama.cpp reads it for phi3 alone
+        config["sliding_window"] = int(window)
     special = (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding"))
     for key, name in special:
         value = _field(reader, f"tokenizer.ggml.{name}_token_id")
         if value is not None:
             config[key] = int(value)
 
+    if "rope_factors_long.weight" in tensors:
+        raise ValueError(f"{src}: rope scaling 'longrope' (rope_factors_long / rope_factors_short "
+                         "tensors) is not supported")
     rope_freqs = "rope_freqs.weight" if "rope_freqs.weight" in tensors else None
     scaling_type = get("rope.scaling.type")
     if rope_freqs is not None:
@@ -411,6 +430,7 @@ def _tensor_names(tensors: dict, config: dict, arch: str, src: Path, skip: set) 
     """{hf_name: (tensor, heads)} for every tensor, checked against what the model
     needs; heads: llama's Q/K rows to unpermute (their head count), else None."""
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    layer_names = _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
     names, unknown = {}, []
     for gname, t in tensors.items():
         if gname in skip:
@@ -418,7 +438,7 @@ def _tensor_names(tensors: dict, config: dict, arch: str, src: Path, skip: set) 
         hf = _GLOBAL_NAMES.get(gname)
         if hf is None and gname.startswith("blk."):
             _, layer, rest = gname.split(".", 2)
-            suffix = _LAYER_NAMES.get(rest)
+            suffix = layer_names.get(rest)
             if suffix is not None and layer.isdigit():
                 hf = f"model.layers.{int(layer)}.{suffix}"
         if hf is None:
@@ -454,6 +474,10 @@ def _expected_names(config: dict, arch: str) -> set[str]:
         layer |= {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"}
     if arch == "qwen3":
         layer |= {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+    if arch == "phi3":
+        layer -= {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                  "mlp.gate_proj.weight", "mlp.up_proj.weight"}
+        layer |= {"self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"}
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     if not config["tie_word_embeddings"]:
         names.add("lm_head.weight")

@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, SmolLM, Mistral), Qwen2 (q/k/v bias), Qwen3 (q/k norm).
+"""The Llama family (Llama 2/3, SmolLM), Mistral, Phi-3, Qwen2 (q/k/v bias), Qwen3 (q/k norm).
 
 Written for the serving hot path, not for training: the batch is one flat
 sequence of tokens from many requests ([T, hidden]); Q/K/V and gate/up are
@@ -16,6 +16,7 @@ runner hands them to tandem.model.decode_step, one C++ call for all layers.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -27,9 +28,14 @@ from tandem.model.attention import AttentionMetadata, paged_attention
 from tandem.model.kv_cache import KVCache
 from tandem.model.linear import DenseLinear, Linear
 
+logger = logging.getLogger(__name__)
+
+# HF architecture -> family. All share one layout; Phi-3's checkpoints hold
+# Q/K/V and gate/up already fused (qkv_proj, gate_up_proj).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Phi3ForCausalLM": "phi3",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
@@ -37,7 +43,12 @@ SUPPORTED_ARCHITECTURES = {
 
 @dataclass
 class ModelConfig:
-    """The few fields of an HF config.json the model needs."""
+    """The few fields of an HF config.json the model needs.
+
+    ``max_position_embeddings`` is the context tandem serves: the config's,
+    capped at ``sliding_window`` where HF attends through one (see
+    _sliding_window).
+    """
 
     architecture: str
     vocab_size: int
@@ -56,9 +67,16 @@ class ModelConfig:
     rope_scaling: dict | None
     bos_token_id: int | None
     eos_token_id: int | list[int] | None
+    sliding_window: int | None = None
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
+        """The config of a supported architecture; a ValueError naming any
+        feature tandem would otherwise compute differently from HF."""
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -67,13 +85,36 @@ class ModelConfig:
                 + ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             )
         family = SUPPORTED_ARCHITECTURES[arch]
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"{arch}: hidden_act {act!r} is not supported (tandem runs SiLU)")
+        if cfg.get("mlp_bias"):
+            raise ValueError(f"{arch}: mlp_bias is not supported")
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
-            rope_theta = cfg.get("rope_theta")
-            if rope_theta is None:  # transformers 5 nests it in rope_parameters
-                rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-            return cls(
+            # transformers 5 writes rope_theta and any scaling into rope_parameters.
+            rope_params = dict(cfg.get("rope_parameters") or {})
+            rope_theta = rope_params.pop("rope_theta", 10000.0)
+            if cfg.get("rope_theta") is not None:
+                rope_theta = cfg["rope_theta"]
+            partial = rope_params.pop("partial_rotary_factor",
+                                      cfg.get("partial_rotary_factor", 1.0))
+            if float(partial) != 1.0:
+                raise ValueError(f"{arch}: partial_rotary_factor {partial} is not supported "
+                                 "(tandem rotates the whole head)")
+            rope_scaling = cfg.get("rope_scaling") or rope_params
+            if (rope_scaling.get("rope_type") or rope_scaling.get("type")) in (None, "default"):
+                rope_scaling = None
+            max_pos = int(cfg.get("max_position_embeddings", 4096))
+            window = _sliding_window(cfg, family)
+            if window is not None and window < max_pos:
+                logger.warning(
+                    "%s attends through a sliding window of %d tokens; tandem attends to the "
+                    "whole context, so it serves at most %d tokens (max_position_embeddings "
+                    "%d), where the two are the same", arch, window, window, max_pos)
+                max_pos = window
+            c = cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
@@ -84,16 +125,42 @@ class ModelConfig:
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope_theta),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                max_position_embeddings=max_pos,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
                 qk_norm=family == "qwen3",
-                rope_scaling=cfg.get("rope_scaling"),
+                rope_scaling=rope_scaling,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_id=cfg.get("eos_token_id"),
+                sliding_window=window,
             )
+            rope_inv_freq(c)  # an unsupported rope_scaling fails here, before any weight is read
+            return c
         except (KeyError, TypeError) as e:
             raise ValueError(f"config.json is missing or has a bad field: {e}") from None
+
+
+def _sliding_window(cfg: dict, family: str) -> int | None:
+    """The window HF attends through in any layer, or None.
+
+    HF's Mistral and Phi-3 window every layer when ``sliding_window`` is set;
+    Qwen2/Qwen3 only with ``use_sliding_window``, and only the layers from
+    ``max_window_layers`` on (``layer_types`` in transformers 5); Llama never.
+    A window of W keys (HF keeps key k for query q when q - k < W) is full
+    attention over the first W positions.
+    """
+    window = cfg.get("sliding_window")
+    if family == "llama" or not window:
+        return None
+    if family in ("qwen2", "qwen3"):
+        if not cfg.get("use_sliding_window"):
+            return None
+        types = cfg.get("layer_types")
+        if types is not None:
+            return int(window) if "sliding_attention" in types else None
+        first = cfg.get("max_window_layers", cfg["num_hidden_layers"])
+        return int(window) if int(first) < int(cfg["num_hidden_layers"]) else None
+    return int(window)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -114,7 +181,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     elif kind == "linear":
         inv = inv / rs["factor"]
     elif kind not in (None, "default"):
-        raise ValueError(f"unsupported rope_scaling type {kind!r}")
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (tandem runs default, "
+                         "linear and llama3 RoPE)")
     return inv
 
 

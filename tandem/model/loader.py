@@ -112,9 +112,15 @@ class DummyWeights:
             s["lm_head.weight"] = (cfg.vocab_size, hidden)
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
-            s[p + "self_attn.q_proj.weight"] = (nh * hd, hidden)
-            s[p + "self_attn.k_proj.weight"] = (nkv * hd, hidden)
-            s[p + "self_attn.v_proj.weight"] = (nkv * hd, hidden)
+            if cfg.family == "phi3":
+                s[p + "self_attn.qkv_proj.weight"] = ((nh + 2 * nkv) * hd, hidden)
+                s[p + "mlp.gate_up_proj.weight"] = (2 * inter, hidden)
+            else:
+                s[p + "self_attn.q_proj.weight"] = (nh * hd, hidden)
+                s[p + "self_attn.k_proj.weight"] = (nkv * hd, hidden)
+                s[p + "self_attn.v_proj.weight"] = (nkv * hd, hidden)
+                s[p + "mlp.gate_proj.weight"] = (inter, hidden)
+                s[p + "mlp.up_proj.weight"] = (inter, hidden)
             s[p + "self_attn.o_proj.weight"] = (hidden, nh * hd)
             if cfg.attention_bias:
                 for n, k in (("q", nh), ("k", nkv), ("v", nkv)):
@@ -122,8 +128,6 @@ class DummyWeights:
             if cfg.qk_norm:
                 s[p + "self_attn.q_norm.weight"] = (hd,)
                 s[p + "self_attn.k_norm.weight"] = (hd,)
-            s[p + "mlp.gate_proj.weight"] = (inter, hidden)
-            s[p + "mlp.up_proj.weight"] = (inter, hidden)
             s[p + "mlp.down_proj.weight"] = (hidden, inter)
             s[p + "input_layernorm.weight"] = (hidden,)
             s[p + "post_attention_layernorm.weight"] = (hidden,)
@@ -263,10 +267,16 @@ def fuse_weights(
         qkv_bias = None
         if cfg.attention_bias:
             qkv_bias = torch.cat([put(take(a + f"{n}_proj.bias")) for n in "qkv"])
+        if cfg.family == "phi3":  # stored fused, in tandem's order (q, k, v; gate, up)
+            qkv = [take(a + "qkv_proj.weight")]
+            gate_up = [take(m + "gate_up_proj.weight")]
+        else:
+            qkv = [take(a + f"{n}_proj.weight") for n in "qkv"]
+            gate_up = [take(m + "gate_proj.weight"), take(m + "up_proj.weight")]
         w = {
-            "qkv": lin([take(a + f"{n}_proj.weight") for n in "qkv"], qkv_bias),
+            "qkv": lin(qkv, qkv_bias),
             "o": lin([take(a + "o_proj.weight")]),
-            "gate_up": lin([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]),
+            "gate_up": lin(gate_up),
             "down": lin([take(m + "down_proj.weight")]),
             "input_layernorm": put(take(p + "input_layernorm.weight")),
             "post_attention_layernorm": put(take(p + "post_attention_layernorm.weight")),

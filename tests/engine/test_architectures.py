@@ -1,13 +1,20 @@
-"""Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k norms) against HF on tiny random models,
-through the one-call decode step, the per-op CPU kernels and the torch reference paths."""
+"""Llama, Mistral, Phi-3, Qwen2 (q/k/v biases) and Qwen3 (q/k norms) against HF on tiny
+random models, through the one-call decode step, the per-op CPU kernels and the torch
+reference paths; what tandem would compute differently from HF is refused by name."""
 
 from __future__ import annotations
+
+import copy
+import json
+import logging
 
 import pytest
 import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
+from tandem.model.llama import SUPPORTED_ARCHITECTURES, ModelConfig
+from tandem.model.loader import DummyWeights, fuse_weights
 from tandem.sampling_params import SamplingParams
 
 from .cpu_paths import CPU_PATHS, cpu_path
@@ -15,7 +22,11 @@ from .cpu_paths import CPU_PATHS, cpu_path
 COMMON = dict(vocab_size=96, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=6, num_key_value_heads=2, head_dim=16,
               max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.3,
-              tie_word_embeddings=False, eos_token_id=0, bos_token_id=1)
+              tie_word_embeddings=False, eos_token_id=0, bos_token_id=1, pad_token_id=0)
+PROMPTS = [[5, 17, 33, 2, 64, 9, 11], [40, 41, 42], list(range(3, 40))]
+# Llama 3's frequency-dependent RoPE scaling (transformers 5 writes it as rope_parameters).
+LLAMA3_ROPE = dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                     high_freq_factor=4.0, original_max_position_embeddings=64))
 
 
 def hf_model(arch: str, **overrides):
@@ -24,11 +35,14 @@ def hf_model(arch: str, **overrides):
 
     cfg_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[arch]
     torch.manual_seed(0)
-    model = model_cls(cfg_cls(**{**COMMON, **overrides})).eval()
+    # A copy: transformers adds rope_theta into a rope_scaling dict it is given.
+    model = model_cls(cfg_cls(**copy.deepcopy({**COMMON, **overrides}))).eval()
     if arch == "qwen2":  # random q/k/v biases (HF starts them at 0), so a skipped bias would show
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
@@ -40,26 +54,139 @@ def hf_model(arch: str, **overrides):
     return model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tiny_models_match_hf(arch, tmp_path):
-    hf = hf_model(arch)
+def _engine(path, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(path), skip_tokenizer_init=True,
+                                  kv_cache_memory="8MiB", max_num_batched_tokens=16, **kw))
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("llama", {}),
+    ("llama", LLAMA3_ROPE),
+    ("qwen2", {}),
+    ("qwen3", {}),
+    # Mistral: an explicit head_dim wider than hidden / heads (as Mistral Nemo's 128 at 5120).
+    ("mistral", dict(head_dim=32)),
+    ("phi3", {}),  # fused qkv_proj and gate_up_proj
+], ids=["llama", "llama3-rope", "qwen2", "qwen3", "mistral", "phi3"])
+def test_tiny_models_match_hf(arch, overrides, tmp_path):
+    hf = hf_model(arch, **overrides)
     hf.save_pretrained(tmp_path)
-    engine = LLMEngine(EngineConfig(model=str(tmp_path), skip_tokenizer_init=True,
-                                    kv_cache_memory="8MiB", max_num_batched_tokens=16))
-    prompts = [[5, 17, 33, 2, 64, 9, 11], [40, 41, 42], list(range(3, 40))]
+    engine = _engine(tmp_path)
+    assert engine.model_config.family == arch
     n = 12
     with torch.no_grad():
-        ref_logits = hf(torch.tensor([prompts[2]])).logits[0]
+        ref_logits = hf(torch.tensor([PROMPTS[2]])).logits[0]
         want = [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
                             eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-                for p in prompts]
+                for p in PROMPTS]
     for path in CPU_PATHS:
         with cpu_path(engine, path):
-            torch.testing.assert_close(engine.score_tokens(prompts[2]), ref_logits,
+            torch.testing.assert_close(engine.score_tokens(PROMPTS[2]), ref_logits,
                                        atol=1e-4, rtol=1e-4)
             # Chunked prefill (budget 16) and batched decodes, then greedy ids.
             reqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n,
-                                                         ignore_eos=True)) for p in prompts]
+                                                         ignore_eos=True)) for p in PROMPTS]
             while engine.has_unfinished_requests():
                 engine.step()
         assert [r.output_token_ids for r in reqs] == want, path
+
+
+@pytest.mark.parametrize("arch", ["mistral", "phi3"])
+def test_sliding_window_caps_the_context(arch, tmp_path, caplog):
+    """HF attends through the window; tandem serves exactly the context where the
+    window covers everything (W tokens) and refuses more by name."""
+    w = 24
+    hf = hf_model(arch, sliding_window=w)
+    hf.save_pretrained(tmp_path)
+    ids = torch.arange(3, 3 + w + 1).unsqueeze(0)
+    with torch.no_grad():
+        windowed = hf(ids).logits[0]
+        hf.config.sliding_window = None
+        full = hf(ids).logits[0]
+    # The window is real one token past it, and tandem's cap is tight.
+    torch.testing.assert_close(windowed[:w], full[:w])
+    assert not torch.allclose(windowed[w], full[w], atol=1e-4)
+    with caplog.at_level(logging.WARNING, logger="tandem.model.llama"):
+        engine = _engine(tmp_path)
+    assert "sliding window of 24 tokens" in caplog.text and "at most 24 tokens" in caplog.text
+    assert engine.max_model_len == w and engine.model_config.sliding_window == w
+    for path in CPU_PATHS:
+        with cpu_path(engine, path):
+            torch.testing.assert_close(engine.score_tokens(ids[0, :w].tolist()), windowed[:w],
+                                       atol=1e-4, rtol=1e-4)
+            req = engine.add_request(ids[0, : w - 4].tolist(), SamplingParams(
+                temperature=0, max_tokens=4, ignore_eos=True))
+            while engine.has_unfinished_requests():
+                engine.step()
+            assert len(req.output_token_ids) == 4
+    with pytest.raises(ValueError, match="maximum context length is 24"):
+        engine.add_request(ids[0].tolist(), SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="exceeds the model's context window"):
+        _engine(tmp_path, max_model_len=w + 1)
+
+
+def _cfg(arch: str, **overrides) -> dict:
+    return {"architectures": [arch], **COMMON, **overrides}
+
+
+@pytest.mark.parametrize("overrides, window", [
+    (dict(sliding_window=4096, use_sliding_window=False, max_window_layers=1), None),
+    (dict(sliding_window=24, use_sliding_window=True, max_window_layers=2), None),
+    (dict(sliding_window=24, use_sliding_window=True, max_window_layers=1), 24),
+    (dict(sliding_window=24, use_sliding_window=True,
+          layer_types=["full_attention", "sliding_attention"]), 24),
+])
+def test_qwen_sliding_window_only_where_hf_uses_it(overrides, window):
+    """Qwen2.5 configs carry a sliding_window HF ignores unless use_sliding_window
+    (and then only from layer max_window_layers on)."""
+    for arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        cfg = ModelConfig.from_hf(_cfg(arch, **overrides))
+        assert cfg.sliding_window == window
+        assert cfg.max_position_embeddings == (window or 256)
+    # Llama has no window, whatever its config says.
+    assert ModelConfig.from_hf(_cfg("LlamaForCausalLM", sliding_window=24)).sliding_window is None
+
+
+@pytest.mark.parametrize("arch, overrides, feature", [
+    ("LlamaForCausalLM", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    ("LlamaForCausalLM", dict(mlp_bias=True), "mlp_bias"),
+    ("LlamaForCausalLM", dict(rope_scaling=dict(rope_type="yarn", factor=4.0)), "'yarn'"),
+    ("LlamaForCausalLM", dict(rope_scaling=dict(rope_type="dynamic", factor=2.0)), "'dynamic'"),
+    # Phi-3-mini-128k / Phi-3.5 (transformers 4's rope_scaling, 5's rope_parameters).
+    ("Phi3ForCausalLM", dict(rope_scaling=dict(type="su", short_factor=[1.0] * 8,
+                                                long_factor=[2.0] * 8)), "'su'"),
+    ("Phi3ForCausalLM", dict(rope_parameters=dict(
+        rope_type="longrope", rope_theta=1e4, short_factor=[1.0] * 8, long_factor=[2.0] * 8)),
+     "'longrope'"),
+    # Phi-4-mini rotates 3/4 of each head.
+    ("Phi3ForCausalLM", dict(partial_rotary_factor=0.75), "partial_rotary_factor 0.75"),
+    ("Phi3ForCausalLM", dict(rope_parameters=dict(rope_theta=1e4, partial_rotary_factor=0.5)),
+     "partial_rotary_factor 0.5"),
+    ("GemmaForCausalLM", {}, "unsupported architecture"),
+])
+def test_unsupported_features_are_refused_by_name(arch, overrides, feature):
+    with pytest.raises(ValueError, match=feature):
+        ModelConfig.from_hf(_cfg(arch, **overrides))
+
+
+def test_transformers5_rope_parameters_are_read(tmp_path):
+    """rope_theta and the scaling nested in rope_parameters, as transformers 5 saves them."""
+    hf_model("llama", rope_theta=5e5, **LLAMA3_ROPE).save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert "rope_scaling" not in raw and "rope_theta" not in raw  # both in rope_parameters
+    cfg = ModelConfig.from_hf(raw)
+    assert cfg.rope_theta == 5e5 and cfg.rope_scaling["rope_type"] == "llama3"
+
+
+@pytest.mark.parametrize("arch", sorted(SUPPORTED_ARCHITECTURES))
+def test_dummy_weights_have_each_architectures_names(arch):
+    """--load-format dummy makes exactly the tensors the loader takes, for every family."""
+    extra = dict(attention_bias=True) if arch == "LlamaForCausalLM" else {}
+    cfg = ModelConfig.from_hf(_cfg(arch, **extra))
+    src = DummyWeights(cfg, torch.float32, seed=0)
+    weights = fuse_weights(cfg, src, torch.float32, torch.device("cpu"))
+    assert not src._shapes and len(weights["layers"]) == 2
+    hd, h, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    assert weights["layers"][0]["qkv"].w.shape == ((h + 2 * hkv) * hd, cfg.hidden_size)
+    assert weights["layers"][0]["gate_up"].w.shape == (2 * cfg.intermediate_size,
+                                                       cfg.hidden_size)

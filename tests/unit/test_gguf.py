@@ -248,9 +248,13 @@ def _write_tiny_gguf(
     rope_freqs=False,
     qtype="F32",
     std=1.0,
+    sliding_window=None,
+    rope_dims=None,
 ) -> Path:
     """qtype: the 2-D weights' GGML type, or a function of the tensor name to it;
-    std: of the random 2-D weights (norm weights stay N(0, 1))."""
+    std: of the random 2-D weights (norm weights stay N(0, 1)). phi3 is written as
+    llama.cpp writes it: fused attn_qkv, ffn_up holding gate then up, the
+    sliding window (0: none) and the rotated dims of a head in the metadata."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -261,9 +265,12 @@ def _write_tiny_gguf(
     w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    if arch != "phi3":  # llama.cpp's phi3 converter writes neither
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    else:
+        w.add_sliding_window(sliding_window or 0)
+    w.add_rope_dimension_count(rope_dims or head_dim)
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-6)
     byte_chars = list(bytes_to_unicode().values())  # byte-level BPE base alphabet
@@ -278,6 +285,8 @@ def _write_tiny_gguf(
     w.add_token_merges(["Ġ t", "h e", "Ġt he"])
     w.add_bos_token_id(tokens.index("<|endoftext|>"))
     w.add_eos_token_id(tokens.index("<|im_end|>"))
+    if arch == "phi3":  # as real ones do: else HF's phi3 default (32000) is past the vocab
+        w.add_pad_token_id(tokens.index("<|endoftext|>"))
     w.add_chat_template(_TEMPLATE)
     rng = np.random.default_rng(0)
 
@@ -306,16 +315,23 @@ def _write_tiny_gguf(
         b = f"blk.{i}."
         w.add_tensor(b + "attn_norm.weight", rand(hidden))
         w.add_tensor(b + "ffn_norm.weight", rand(hidden))
-        w.add_tensor(b + "attn_q.weight", *_q(mat(heads * head_dim, hidden, name="attn_q")))
-        w.add_tensor(b + "attn_k.weight", *_q(mat(kv * head_dim, hidden, name="attn_k")))
-        w.add_tensor(b + "attn_v.weight", *_q(mat(kv * head_dim, hidden, name="attn_v")))
+        if arch == "phi3":
+            w.add_tensor(b + "attn_qkv.weight",
+                         *_q(mat((heads + 2 * kv) * head_dim, hidden, name="attn_qkv")))
+        else:
+            w.add_tensor(b + "attn_q.weight", *_q(mat(heads * head_dim, hidden, name="attn_q")))
+            w.add_tensor(b + "attn_k.weight", *_q(mat(kv * head_dim, hidden, name="attn_k")))
+            w.add_tensor(b + "attn_v.weight", *_q(mat(kv * head_dim, hidden, name="attn_v")))
         w.add_tensor(b + "attn_output.weight",
                      *_q(mat(hidden, heads * head_dim, name="attn_output")))
         if arch == "qwen3":
             w.add_tensor(b + "attn_q_norm.weight", rand(head_dim))
             w.add_tensor(b + "attn_k_norm.weight", rand(head_dim))
-        w.add_tensor(b + "ffn_gate.weight", *_q(mat(ffn, hidden, name="ffn_gate")))
-        w.add_tensor(b + "ffn_up.weight", *_q(mat(ffn, hidden, name="ffn_up")))
+        if arch == "phi3":
+            w.add_tensor(b + "ffn_up.weight", *_q(mat(2 * ffn, hidden, name="ffn_up")))
+        else:
+            w.add_tensor(b + "ffn_gate.weight", *_q(mat(ffn, hidden, name="ffn_gate")))
+            w.add_tensor(b + "ffn_up.weight", *_q(mat(ffn, hidden, name="ffn_up")))
         w.add_tensor(b + "ffn_down.weight", *_q(mat(hidden, ffn, name="ffn_down")))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -355,6 +371,54 @@ def test_tiny_llama_gqa_unpermute_and_llama3_rope(tmp_path):
     }
     # transformers ignores rope_freqs.weight; everything else must match bit for bit.
     _assert_same_weights(out, _hf_state_dict(src), tied=True, src=src)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_tiny_phi3_keeps_fused_matmuls_and_its_window(tmp_path, qtype):
+    """phi3's attn_qkv and gate+up ffn_up are HF's qkv_proj and gate_up_proj as
+    they are (no Q/K permutation: its RoPE is rotate-half); the sliding window
+    comes through to config.json."""
+    src = _write_tiny_gguf(tmp_path / "phi3.gguf", "phi3", heads=4, kv=2, head_dim=16,
+                           hidden=64, tied=False, qtype=qtype, sliding_window=48)
+    out = tg.gguf_to_hf_dir(src, cache_root=tmp_path / "cache", weights=True)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Phi3ForCausalLM"] and cfg["model_type"] == "phi3"
+    assert cfg["sliding_window"] == 48 and cfg["head_dim"] == 16
+    assert "partial_rotary_factor" not in cfg and "rope_scaling" not in cfg
+    _assert_same_weights(out, _hf_state_dict(src), tied=False, src=src)
+    assert tg.GGUFWeights(src).pop("model.layers.0.mlp.gate_up_proj.weight").shape[0] == 192
+
+
+def test_phi3_without_window_and_refusals(tmp_path):
+    """Phi-4 writes sliding_window 0 (none); Phi-4-mini's partial rotary goes into
+    config.json for the model to refuse by name; longrope's factor tensors are refused."""
+    import gguf
+
+    from tandem.model.llama import ModelConfig
+
+    src = _write_tiny_gguf(tmp_path / "phi4.gguf", "phi3", tied=False)
+    cfg = json.loads((tg.gguf_to_hf_dir(src, cache_root=tmp_path / "c") / "config.json")
+                     .read_text())
+    assert "sliding_window" not in cfg and ModelConfig.from_hf(cfg).sliding_window is None
+    src = _write_tiny_gguf(tmp_path / "phi4-mini.gguf", "phi3", head_dim=16, rope_dims=12)
+    cfg = json.loads((tg.gguf_to_hf_dir(src, cache_root=tmp_path / "c") / "config.json")
+                     .read_text())
+    assert cfg["partial_rotary_factor"] == 0.75
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75"):
+        ModelConfig.from_hf(cfg)
+    src = tmp_path / "longrope.gguf"
+    w = gguf.GGUFWriter(str(src), "phi3")
+    for name in ("token_embd.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
+        w.add_tensor(name, np.ones((8, 4) if name == "token_embd.weight" else 8, np.float32))
+    for key, value in (("embedding_length", 4), ("block_count", 1), ("feed_forward_length", 8),
+                       ("attention.head_count", 1)):
+        w.add_uint32(f"phi3.{key}", value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="'longrope'"):
+        tg.gguf_to_hf_dir(src, cache_root=tmp_path / "c")
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
