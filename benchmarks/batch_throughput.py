@@ -1,6 +1,6 @@
 """Aggregate output tok/s for N concurrent requests vs HF transformers one by one.
 
-Workload (issue 2): 32 requests, 128-token prompts, 128 output tokens each,
+Workload: 32 requests, 128-token prompts, 128 output tokens each,
 ignore_eos, all submitted at once to one engine. Baseline, measured in the same
 run: HF transformers `generate` (fp32, greedy, same weights) on the same
 requests one after another. HF's time is linear in the number of requests, so

@@ -1,12 +1,12 @@
 """Aggregate output tok/s through the HTTP server at 1, 4, 16 and 32 streams.
 
-Issue 7's workload: 128-token prompts, 128 output tokens, ignore_eos, closed
+The workload: 128-token prompts, 128 output tokens, ignore_eos, closed
 loop (each stream sends its next request when the last one finished), driven by
 `tandem bench serve` against `tandem serve` on this machine, for fp32 and int8
 weights. Baseline: llama.cpp's llama-server on the same machine class with the
 same model at Q4_1 and 16 slots, measured at 46 / 58 / 64 / 64 tok/s for 1 / 4 /
-16 / 32 streams with p99 ITL ~210 ms (the figures in issue 7; llama.cpp is not
-installable here to re-measure in the same run). Target at 16 and 32 streams:
+16 / 32 streams with p99 ITL ~210 ms (measured once on that machine class;
+llama.cpp is not installable here to re-measure in the same run). Target at 16 and 32 streams:
 >= 130 tok/s (2x llama-server) with p99 ITL <= 210 ms.
 
     .venv/bin/python benchmarks/cpu_serving.py [--quantization none int8] [--prompts-per-stream 3]

@@ -1,7 +1,7 @@
 """Single-stream decode tok/s vs the weight-bandwidth ceiling, measured in one run.
 
 ceiling = read bandwidth (measured here) / bytes of weights read per decode step.
-Targets at fp32: >= 75% (issue 2), >= 90% (issue 7).
+Target at fp32: >= 90%.
 
     .venv/bin/python benchmarks/decode_ceiling.py [--tokens 128]
 """

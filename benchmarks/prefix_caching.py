@@ -1,4 +1,4 @@
-"""Time to first token on a prefix-cache hit vs a miss (issue 4).
+"""Time to first token on a prefix-cache hit vs a miss.
 
 Workload: a ~1,000-token system prompt + a short question, through the model's
 chat template, on the default model. Requests are sent one after another, each

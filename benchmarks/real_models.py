@@ -1,7 +1,7 @@
 """Real-size models from GGUF files: load time, memory, and serving tok/s against this
 machine's bandwidth and compute ceilings, measured in the same run.
 
-Workload (issue 12): synthetic Llama GGUFs at real shapes (benchmarks/synthetic_gguf.py:
+Workload: synthetic Llama GGUFs at real shapes (benchmarks/synthetic_gguf.py:
 random weights, SmolLM2's tokenizer; cached), by default the 1B shape as F16, Q8_0 and
 Q4_0 files (``--shape 8b`` for the 8B one). Each file is served by
 ``tandem serve --model FILE --kv-cache-memory K`` (``--quantization X`` only when given)
@@ -29,7 +29,7 @@ Baselines, measured in this run:
   i.e. all matrices but token_embd); 16/32-stream tok/s is printed as a ratio of the
   int8 and fp32 ceilings.
 
-Targets (issue 12): 1 stream >= 0.85 of the bandwidth ceiling; >= 200 tok/s at 16
+Targets: 1 stream >= 0.85 of the bandwidth ceiling; >= 200 tok/s at 16
 streams with p99 ITL <= 400 ms (1.2B int8); peak RSS during load <= 1.3 x
 (weights + KV pool), KV pool = the size the server logs at start-up (else --kv-cache-memory).
 
@@ -291,7 +291,7 @@ def print_result(r: Result, bw: float, flops: dict[str, float | None]) -> None:
 
 
 def print_targets(results: list[Result], bw: float) -> None:
-    print("\ntargets (issue 12): 1 stream >= 0.85 of the bandwidth ceiling; >= 200 tok/s at 16 "
+    print("\ntargets: 1 stream >= 0.85 of the bandwidth ceiling; >= 200 tok/s at 16 "
           "streams with p99 ITL <= 400 ms (1.2B int8); peak RSS during load <= 1.3 x "
           "(weights + KV pool)")
     print(f"{'model':14} {'1-stream/ceiling':>17} {'16 streams tok/s, p99 ITL':>26} "

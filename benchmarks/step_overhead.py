@@ -4,7 +4,7 @@ A model with the default model's layer count (30) but tiny dims, so the math is
 negligible and the step time is the engine's own overhead: scheduling, batch
 metadata, ~30 ops per layer, sampling, the host sync. Baseline in the same run:
 HF transformers' forward of the same tiny config with its KV cache (a naive
-eager PyTorch step). Target (issue 2): <= 4 ms.
+eager PyTorch step). Target: <= 4 ms.
 
     .venv/bin/python benchmarks/step_overhead.py
 """

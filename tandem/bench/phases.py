@@ -130,7 +130,7 @@ def format_rows(rows: list[PhaseRow]) -> str:
 
 
 def conclusion(rows: list[PhaseRow]) -> list[str]:
-    """What the shortest vs the longest prompt show, in the seeds' terms."""
+    """What the shortest vs the longest prompt show, in prefill / decode terms."""
     if len(rows) < 2:
         return ["Give two or more --input-lens to compare prefill and decode."]
     short, long = rows[0], rows[-1]

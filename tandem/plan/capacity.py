@@ -1,4 +1,4 @@
-"""Capacity arithmetic: the seeds' paper calculations, as pure functions.
+"""Capacity arithmetic: back-of-the-envelope serving calculations, as pure functions.
 
 Everything here is arithmetic on a model's shape and a device's two numbers
 (bytes held, bytes read per second), so every result can be shown as a formula

@@ -7,7 +7,7 @@ batching keeps paying off and how fast prefill runs, so it is approximate.
 
 Memory sizes of GPUs are the totals the driver reports (nvidia-smi's MiB),
 because ``--gpu-memory-utilization`` is a fraction of exactly that number.
-Bandwidths are the vendors' peak figures, as the seeds quote them.
+Bandwidths are the vendors' peak figures.
 """
 
 from __future__ import annotations

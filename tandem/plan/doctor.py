@@ -1,6 +1,6 @@
 """``tandem doctor``: what is slow on a running server, and which knob to turn first.
 
-The seeds' checklist, as rules over numbers measured on the live server:
+A serving checklist, as rules over numbers measured on the live server:
 
 * "the first token takes four seconds" is either **prefill** (TTFT grows with
   the prompt: shorten it, cache its prefix, give prefill a bigger token

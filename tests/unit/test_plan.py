@@ -1,4 +1,4 @@
-"""tandem plan: the seeds' arithmetic, the presets, the recommendations and the CLI."""
+"""tandem plan: the serving arithmetic, the presets, the recommendations and the CLI."""
 
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ def gpu(memory: float, bandwidth: float = 1000e9) -> Device:
     return Device("custom", "custom", "gpu", int(memory), bandwidth)
 
 
-# --- the seeds' numbers -------------------------------------------------------
+# --- worked examples ----------------------------------------------------------
 
 
-def test_kv_bytes_per_token_seeds() -> None:
+def test_kv_bytes_per_token_worked_examples() -> None:
     assert cap.kv_bytes_per_token(32, 8, 128, 2) == 131_072
     assert cap.kv_bytes_per_token(36, 8, 128, 2) == 147_456
     # ~1 GB per 8,000-token conversation at 32 layers; ~1.2 GB per 8,192 at 36.
@@ -51,7 +51,7 @@ def test_kv_from_presets_and_8bit() -> None:
     assert q8.kv_bytes_per_token == 65_536 * (1 + 2 / 32)  # llama.cpp q8_0: fp16 per 32
 
 
-def test_decode_ceiling_seeds() -> None:
+def test_decode_ceiling_worked_examples() -> None:
     assert round(cap.decode_ceiling(DEVICES["h100-sxm"].bandwidth_bytes_s, 16e9)) == 209
     assert round(cap.decode_ceiling(DEVICES["cpu-ddr5"].bandwidth_bytes_s, 16e9)) == 6
     # 8-bit weights halve the bytes and double the ceiling.
