@@ -66,7 +66,7 @@ def naive(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def run_ours(sampler: Sampler, logits: torch.Tensor, p: SamplingParams, b: int) -> None:
     meta = SamplingMetadata.build(
-        [p] * b, [None] * b, [[]] * b, [[]] * b, 2, logits.shape[1], "cpu"
+        [p] * b, [None] * b, [[]] * b, [[]] * b, (2,), logits.shape[1], "cpu"
     )
     sampler(logits, meta)
 

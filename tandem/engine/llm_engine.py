@@ -147,7 +147,7 @@ class LLMEngine:
             self.kv_manager, c.max_num_seqs, budget_tokens, c.enable_chunked_prefill,
             prefill_only_tokens,
         )
-        self.runner = ModelRunner(self.model, self.kv_caches, c.block_size, self.eos_token_id)
+        self.runner = ModelRunner(self.model, self.kv_caches, c.block_size, self.eos_token_ids)
         self.kv_bytes_per_token = bytes_per_token
         logger.info(
             "KV cache (%s): %d blocks x %d tokens = %d tokens, %d bytes/token (%.2f GiB); "

@@ -48,12 +48,12 @@ class ModelRunner:
         model: LlamaModel,
         kv_caches: list[KVCache],
         block_size: int,
-        eos_token_id: int | None,
+        eos_token_ids: frozenset[int],
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids
         self.device = model.device
         self.vocab_size = model.cfg.vocab_size
         self.sampler = Sampler()
@@ -135,7 +135,7 @@ class ModelRunner:
             generators=[r.generator for r in sample_reqs],
             prompt_token_ids=[r.prompt_token_ids for r in sample_reqs],
             output_token_ids=[r.output_token_ids for r in sample_reqs],
-            eos_token_id=self.eos_token_id,
+            eos_token_ids=self.eos_token_ids,
             vocab_size=self.vocab_size,
             device=self.device,
         )

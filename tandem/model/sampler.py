@@ -32,7 +32,7 @@ default "raw_logprobs").
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -115,7 +115,7 @@ class SamplingMetadata:
         generators: Sequence[torch.Generator | None] | None,
         prompt_token_ids: Sequence[Sequence[int]],
         output_token_ids: Sequence[Sequence[int]],
-        eos_token_id: int | None,
+        eos_token_ids: Collection[int],
         vocab_size: int,
         device: torch.device | str = "cpu",
     ) -> SamplingMetadata:
@@ -160,12 +160,11 @@ class SamplingMetadata:
             ):
                 pen_rows.append(i)
             if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
-                # vLLM masks EOS under min_tokens even with ignore_eos (EOS is
-                # always in its all_stop_token_ids), plus the stop token ids.
-                stops = set(p.stop_token_ids or ())
-                if eos_token_id is not None:
-                    stops.add(eos_token_id)
-                stops = {t for t in stops if 0 <= t < v}
+                # vLLM masks every end-of-generation id under min_tokens, even
+                # with ignore_eos (they are always in its all_stop_token_ids),
+                # plus the stop token ids: the engine's own set, so what may
+                # not be sampled is exactly what would end the request.
+                stops = {t for t in (*eos_token_ids, *(p.stop_token_ids or ())) if 0 <= t < v}
                 mt_rows.extend([i] * len(stops))
                 mt_cols.extend(stops)
 

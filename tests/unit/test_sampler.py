@@ -18,7 +18,7 @@ from tandem.sampling_params import SamplingParams
 EOS = 2
 
 
-def make_meta(params, logits, *, gens=None, prompts=None, outputs=None, eos=EOS):
+def make_meta(params, logits, *, gens=None, prompts=None, outputs=None, eos=(EOS,)):
     b, v = logits.shape
     return SamplingMetadata.build(
         params,
@@ -341,10 +341,11 @@ def test_no_penalties_builds_nothing():
     assert meta.top_k is None and meta.top_p is None and meta.min_p is None
 
 
-def test_min_tokens_masks_eos_and_stop_token_ids():
+def test_min_tokens_masks_every_eos_and_stop_token_ids():
     v = 50
     logits = torch.zeros(4, v)
     logits[:, EOS] = 100.0
+    logits[:, 3] = 95.0  # a second end-of-generation id (<|endoftext|> beside <|im_end|>)
     logits[:, 7] = 90.0
     logits[:, 9] = 80.0
     params = [
@@ -354,8 +355,8 @@ def test_min_tokens_masks_eos_and_stop_token_ids():
         SamplingParams(temperature=1.0, min_tokens=2),
     ]
     outputs = [[1, 1], [1, 1, 1], [], [5]]
-    out = sample(params, logits, outputs=outputs).sampled_token_ids.tolist()
-    assert out[0] == 9  # EOS and stop id 7 masked: 2 < 3 tokens so far
+    out = sample(params, logits, outputs=outputs, eos=(EOS, 3)).sampled_token_ids.tolist()
+    assert out[0] == 9  # both EOS ids and stop id 7 masked: 2 < 3 tokens so far
     assert out[1] == EOS  # min_tokens reached
     assert out[2] == 7
     assert out[3] == 7
