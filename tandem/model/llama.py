@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from tandem import _custom_ops
 from tandem.model.attention import AttentionMetadata, paged_attention
+from tandem.model.hf_config import tie_word_embeddings
 from tandem.model.kv_cache import KVCache
 from tandem.model.linear import DenseLinear, Linear
 
@@ -126,7 +127,7 @@ class ModelConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope_theta),
                 max_position_embeddings=max_pos,
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                tie_word_embeddings=tie_word_embeddings(cfg, family),
                 attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
                 qk_norm=family == "qwen3",
                 rope_scaling=rope_scaling,

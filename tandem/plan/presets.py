@@ -19,6 +19,7 @@ import struct
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from tandem.model.hf_config import tie_word_embeddings
 from tandem.plan.gguf_meta import ArrayLen, read_gguf_header
 
 # config.json numbers as published on the Hugging Face Hub (the fields the
@@ -316,7 +317,7 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str, source: str = "config.js
     if tie is None:
         tie = cfg.get("_outer_tie")
     if tie is None:
-        tie = True  # transformers' PretrainedConfig default
+        tie = tie_word_embeddings(cfg)
     qkv_bias = bool(cfg.get("attention_bias", False)) or model_type == "qwen2"
     dtype = _TORCH_DTYPES.get(str(_first(cfg, "torch_dtype", "dtype")), "bf16")
     quant = cfg.get("quantization_config")

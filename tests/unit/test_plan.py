@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from tandem.model.llama import ModelConfig
 from tandem.plan import capacity as cap
 from tandem.plan.cli import main, parse_bytes, register
 from tandem.plan.devices import DEVICES, Device, GiB, host_memory, measure_read_bandwidth
@@ -121,6 +122,12 @@ def test_config_defaults_and_refusals() -> None:
          "intermediate_size": 128, "vocab_size": 100}, "tiny",
     )
     assert spec.num_kv_heads == 4 and spec.head_dim == 16 and spec.tie_word_embeddings
+    # Without the field, the model type's transformers default, as the engine reads it.
+    untied = {**PRESETS["qwen2.5-1.5b"], "model_type": "qwen2"}
+    del untied["tie_word_embeddings"]
+    assert not spec_from_hf_config(untied, "qwen2").tie_word_embeddings
+    assert not ModelConfig.from_hf({**untied, "architectures": ["Qwen2ForCausalLM"]}
+                                   ).tie_word_embeddings
     with pytest.raises(ValueError, match="mixture-of-experts"):
         spec_from_hf_config({**PRESETS["llama-3.1-8b"], "num_local_experts": 8}, "moe")
     with pytest.raises(ValueError, match="no num_hidden_layers"):
