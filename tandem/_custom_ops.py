@@ -91,12 +91,23 @@ def _load() -> bool:
     return True
 
 
-AVAILABLE: bool = _load()
-"""Whether torch.ops.tandem.* is loaded (callers keep a torch reference path)."""
+_available: bool | None = None
+
+
+def available() -> bool:
+    """Whether torch.ops.tandem.* is loaded (callers keep a torch reference path).
+
+    The first call loads the kernels, building them if this machine has none
+    yet: importing a module compiles nothing; building a model does.
+    """
+    global _available
+    if _available is None:
+        _available = _load()
+    return _available
 
 
 if __name__ == "__main__":  # `python -m tandem._custom_ops`: build now (the Makefile's set-up)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not _load():
+    if not available():
         raise SystemExit("tandem's CPU kernels are unavailable; tandem runs, more slowly")
     print("tandem's CPU kernels are built")

@@ -247,7 +247,7 @@ class Int8Linear(_QuantLinear):
         self.bias = bias
         self.cpu = q.device.type == "cpu"
         self._nbytes = out_f * in_f + out_f * 4 + (0 if gs is None else gs.numel() * 2)
-        self.kernel = self.cpu and _custom_ops.AVAILABLE
+        self.kernel = self.cpu and _custom_ops.available()
         if self.kernel:
             # int8 x + 128 as uint8 is x's bits with the top one flipped; padding 128 is 0.
             self.wpack = _tile_pack(q.view(torch.uint8) ^ 128, INT8_GROUP_SIZE, pad=128)
@@ -294,7 +294,7 @@ class Int4Linear(_QuantLinear):
         n, k = qw.shape
         self.bias = bias
         self.cpu = qw.data.device.type == "cpu"
-        self.kernel = self.cpu and _custom_ops.AVAILABLE
+        self.kernel = self.cpu and _custom_ops.available()
         self._nbytes = n * k // 2 + 2 * n * (k // INT4_GROUP_SIZE) * 2
         self.out_features = n
         if self.kernel:

@@ -219,7 +219,7 @@ class LlamaModel:
         # rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]: one op fewer than cat.
         self.cos = torch.cat((freqs.cos(), freqs.cos()), -1).to(dev, dt)
         self.sin = torch.cat((-freqs.sin(), freqs.sin()), -1).to(dev, dt)
-        self.fused = _custom_ops.AVAILABLE and dev.type == "cpu" and dt == torch.float32
+        self.fused = dev.type == "cpu" and dt == torch.float32 and _custom_ops.available()
 
     @property
     def device(self) -> torch.device:

@@ -163,7 +163,7 @@ def measure_read_bandwidth(
         v = torch.ones(1, cols)
         for w in (x, HugePageArena().copy(x)):
             probes += [w.sum, functools.partial(torch.mm, v, w.t())]
-            if _custom_ops.AVAILABLE:
+            if _custom_ops.available():
                 probes.append(functools.partial(torch.ops.tandem.matvec, v, w, None))
     best = float("inf")
     for probe in probes:

@@ -16,12 +16,13 @@ from tandem.model.kv_cache import DenseKVCache, Int8KVCache
 from tandem.model.linear import Int8Linear, quantize_activations
 
 CPU = torch.device("cpu")
+_custom_ops.available()  # loads torch.ops.tandem (test_kernels_are_built_here says if not)
 ops = torch.ops.tandem
 
 
 def test_kernels_are_built_here():
     # CI machines have g++: the fast path must be what the other tests exercise.
-    assert _custom_ops.AVAILABLE, "tandem's CPU kernels failed to build (see the warning)"
+    assert _custom_ops.available(), "tandem's CPU kernels failed to build (see the warning)"
 
 
 def test_rms_norm_and_silu_and_mul():
@@ -109,7 +110,7 @@ def test_int8_kernel_matches_exact_arithmetic_and_is_batch_invariant(k, n, monke
     torch.testing.assert_close(big.double(), exact, atol=1e-5, rtol=1e-5)
     for rows in (slice(0, 1), slice(0, 3), slice(3, 11), slice(0, 40)):
         assert torch.equal(lin(x[rows]), big[rows])
-    monkeypatch.setattr(_custom_ops, "AVAILABLE", False)
+    monkeypatch.setattr(_custom_ops, "available", lambda: False)
     ref = Int8Linear(w)
     assert not ref.kernel
     torch.testing.assert_close(ref(x), big, atol=1e-4, rtol=1e-4)
@@ -138,10 +139,24 @@ def test_matvec_matches_matmul_and_is_batch_invariant(k, n):
 
 def test_without_a_compiler_the_reference_paths_run(tmp_path):
     code = ("from tandem import _custom_ops, LLM, SamplingParams\n"
-            "assert not _custom_ops.AVAILABLE\n"
+            "assert not _custom_ops.available()\n"
             "print('ok')\n")
     res = _run(code, CXX="/bin/false", TANDEM_CACHE=str(tmp_path))
     assert res.returncode == 0, res.stderr
     assert "unavailable" in res.stderr and "reference paths" in res.stderr
     res = _run(code, TANDEM_CUSTOM_OPS="0")
     assert res.returncode == 0 and res.stderr == "", res.stderr
+
+
+def test_importing_compiles_nothing(tmp_path):
+    """Every module imports without building or loading the kernels; the first
+    model built does (with no compiler here, it warns and falls back)."""
+    code = ("import importlib, pkgutil, tandem\n"
+            "for m in pkgutil.walk_packages(tandem.__path__, 'tandem.'):\n"
+            "    importlib.import_module(m.name)\n"
+            "import torch\n"
+            "assert not hasattr(torch.ops.tandem, 'rms_norm')\n"
+            "print('ok')\n")
+    res = _run(code, CXX="/bin/false", TANDEM_CACHE=str(tmp_path))
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr
+    assert "unavailable" not in res.stderr and not (tmp_path / "kernels").exists()
