@@ -32,10 +32,10 @@ from tandem.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 2 * 2**30
-# CPU token budgets (LLMEngine._cpu_token_budgets): a step with decodes costs
-# at most ~ITL_BOUND single-stream steps; a prefill-only step reads the weights
-# for at most 1 / PREFILL_READ_SHARE of its time. Measured with a prompt of
-# CPU_BUDGET_PROBE_TOKENS, kept within CPU_BUDGET_RANGE.
+# CPU token budgets (LLMEngine._cpu_token_budgets): a prompt chunk adds at most
+# ITL_BOUND - 1 single-stream steps to a step with decodes; a prompt-only step
+# reads the weights for at most 1 / PREFILL_READ_SHARE of its time. Measured
+# with a prompt of CPU_BUDGET_PROBE_TOKENS, kept within CPU_BUDGET_RANGE.
 ITL_BOUND = 3
 PREFILL_READ_SHARE = 8
 CPU_BUDGET_PROBE_TOKENS = 32
@@ -96,12 +96,13 @@ class LLMEngine:
             c.kv_cache_dtype).bytes_per_token_layer(cfg.num_key_value_heads, cfg.head_dim,
                                                     self.dtype)
         block_bytes = bytes_per_token * c.block_size
-        # An explicit budget holds for every step; CPU's default follows the model's cost.
-        budget_tokens = prefill_only_tokens = c.max_num_batched_tokens
+        # An explicit budget holds for every step (vLLM's semantics); CPU's default
+        # follows the model's cost and caps prompt tokens in steps with decodes.
+        budget_tokens, prefill_cap = c.max_num_batched_tokens, None
         if budget_tokens is None and self.device.type == "cuda":
-            budget_tokens = prefill_only_tokens = 8192
+            budget_tokens = 8192
         elif budget_tokens is None:
-            budget_tokens, prefill_only_tokens = self._cpu_token_budgets()
+            budget_tokens, prefill_cap = self._cpu_token_budgets()
         if c.kv_cache_memory is not None:
             budget = int(c.kv_cache_memory)
         elif self.device.type == "cuda":
@@ -132,7 +133,7 @@ class LLMEngine:
             max_len = pool_tokens
         self.max_model_len = max_len
         if not c.enable_chunked_prefill and c.max_num_batched_tokens is None:
-            budget_tokens = prefill_only_tokens = max(budget_tokens, max_len)
+            budget_tokens, prefill_cap = max(budget_tokens, max_len), None
         if not c.enable_chunked_prefill and budget_tokens < max_len:
             raise ValueError(
                 f"without chunked prefill --max-num-batched-tokens ({budget_tokens}) must be "
@@ -145,31 +146,34 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_manager, c.max_num_seqs, budget_tokens, c.enable_chunked_prefill,
-            prefill_only_tokens,
+            prefill_cap,
         )
         self.runner = ModelRunner(self.model, self.kv_caches, c.block_size, self.eos_token_ids)
         self.kv_bytes_per_token = bytes_per_token
         logger.info(
             "KV cache (%s): %d blocks x %d tokens = %d tokens, %d bytes/token (%.2f GiB); "
             "max_model_len %d -> %.1f full-context conversations fit; "
-            "max_num_seqs %d, max_num_batched_tokens %d (%d in steps where no stream decodes)",
+            "max_num_seqs %d, max_num_batched_tokens %d%s",
             c.kv_cache_dtype if c.kv_cache_dtype != "auto" else str(self.dtype).split(".")[-1],
             num_blocks, c.block_size, pool_tokens, bytes_per_token,
             num_blocks * block_bytes / 2**30, max_len, pool_tokens / max_len,
-            c.max_num_seqs, budget_tokens, prefill_only_tokens,
+            c.max_num_seqs, budget_tokens,
+            "" if prefill_cap is None else f" ({prefill_cap} prompt tokens in steps with decodes)",
         )
 
     def _cpu_token_budgets(self) -> tuple[int, int]:
-        """Token budgets from this model's measured cost on this CPU: (steps
-        with decoding streams, steps with none).
+        """(max_num_batched_tokens, prompt tokens per step with decodes) from
+        this model's measured cost on this CPU.
 
         A step costs about t1 (one token: reading the weights) plus c per
-        further token (compute). A prefill chunk delays every decoding stream
-        by its cost, so steps with decodes get 1 + (ITL_BOUND - 1) t1 / c
-        tokens, about ITL_BOUND single-stream steps; steps with only prefills
-        delay no stream and get enough tokens that reading the weights is at
-        most 1 / PREFILL_READ_SHARE of the step. A fixed 128 tuned on a 135M
-        model made a 1.2B model's chunk stall every stream ~1 s.
+        further token (compute). A prompt chunk delays every decoding stream by
+        its cost, so in steps with decodes prompts get (ITL_BOUND - 1) t1 / c
+        tokens: a step costs at most the decodes plus ITL_BOUND - 1 single-
+        stream steps. Steps with only prompts delay nobody; their budget makes
+        reading the weights at most 1 / PREFILL_READ_SHARE of the step, and the
+        total leaves room for every sequence to decode beside a capped chunk.
+        A fixed 128 tuned on a 135M model made a 1.2B model's chunk stall every
+        stream ~1 s.
         """
         def cost(n: int, runs: int) -> float:
             best = float("inf")
@@ -184,11 +188,13 @@ class LLMEngine:
         t1, tp = cost(1, 3), cost(CPU_BUDGET_PROBE_TOKENS, 2)
         per_token = max((tp - t1) / (CPU_BUDGET_PROBE_TOKENS - 1), 1e-9)
         lo, hi = CPU_BUDGET_RANGE
-        decode = min(max(int(1 + (ITL_BOUND - 1) * t1 / per_token), lo), hi)
-        prefill = min(max(int(1 + PREFILL_READ_SHARE * t1 / per_token), decode), hi)
-        logger.info("token budget %d (%d without decodes): a 1-token step costs %.1f ms, each "
-                    "further token %.2f ms", decode, prefill, t1 * 1e3, per_token * 1e3)
-        return decode, prefill
+        with_decodes = min(max(int((ITL_BOUND - 1) * t1 / per_token), lo), hi)
+        prompt_only = int(1 + PREFILL_READ_SHARE * t1 / per_token)
+        total = min(max(prompt_only, self.config.max_num_seqs + with_decodes), hi)
+        logger.info("token budget %d per step, %d prompt tokens in steps with decodes: a "
+                    "1-token step costs %.1f ms, each further token %.2f ms", total,
+                    with_decodes, t1 * 1e3, per_token * 1e3)
+        return total, with_decodes
 
     def _cuda_kv_budget(self, num_tokens: int) -> int:
         """Bytes left for the KV pool: the utilization target minus everything else.

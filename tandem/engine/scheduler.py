@@ -1,13 +1,14 @@
 """The scheduler: one step's plan under a token budget (vLLM V1 semantics).
 
-Every step with a decoding stream has ``max_num_batched_tokens``; a step
-with none (only prompts to prefill, no stream to delay) has
-``prefill_only_tokens`` (the same unless set larger). Running requests take it first, in
+Every step has ``max_num_batched_tokens``. Running requests take it first, in
 order: a decode costs 1 token, an unfinished prefill chunk up to the rest of
 the budget. Then waiting requests are admitted FCFS while budget, the sequence
 cap and free blocks allow; only the last admitted one may be chunked. Prefill
 chunks and decodes go through the model in one forward pass, so a long prompt
-never stalls running streams for a whole prefill.
+never stalls running streams for a whole prefill. With
+``max_prefill_tokens_with_decodes`` set, a step in which any stream decodes
+gives prompts at most that many tokens (a chunk delays every decoding stream
+by its cost); such a step may then chunk a running prompt too.
 
 When a running request cannot get a block, the newest running request is
 preempted by recompute: its blocks are freed, its progress reset, and it goes
@@ -52,12 +53,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
-        prefill_only_tokens: int | None = None,
+        max_prefill_tokens_with_decodes: int | None = None,
     ) -> None:
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.prefill_only_tokens = max(prefill_only_tokens or 0, max_num_batched_tokens)
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -79,16 +80,23 @@ class Scheduler:
 
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
+        budget = prefill = self.max_num_batched_tokens
+        cap = self.max_prefill_tokens_with_decodes
         # A running request with one token left to compute is decoding.
-        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
-        budget = self.max_num_batched_tokens if decoding else self.prefill_only_tokens
+        if cap is not None and any(r.num_tokens - r.num_computed_tokens == 1
+                                   for r in self.running):
+            prefill = min(cap, budget)
         kv = self.kv
 
         # 1. Running requests first, oldest first.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            left = req.num_tokens - req.num_computed_tokens
+            n = 1 if left == 1 else min(left, budget, prefill)
+            if n == 0:  # a prompt, and this step's prompt tokens are spent
+                i += 1
+                continue
             while not kv.allocate_slots(req, n):
                 victim = self.running.pop()  # the newest running request
                 self._preempt(victim)
@@ -99,6 +107,8 @@ class Scheduler:
                 out.requests.append(req)
                 out.num_scheduled_tokens.append(n)
                 budget -= n
+                if left > 1:
+                    prefill -= n
                 i += 1
                 continue
             break  # req itself was preempted: nothing older is left to try
@@ -107,16 +117,16 @@ class Scheduler:
         while (
             not out.preempted
             and self.waiting
-            and budget > 0
+            and min(budget, prefill) > 0
             and len(self.running) < self.max_num_seqs
         ):
             req = self.waiting[0]
             hits, num_hit = kv.get_computed_blocks(req)
             n = req.num_tokens - num_hit
-            if n > budget:
+            if n > min(budget, prefill):
                 if not self.enable_chunked_prefill:
                     break
-                n = budget
+                n = min(budget, prefill)
             if not kv.allocate_slots(req, n, hits, reserve_blocks=len(self.running)):
                 break
             self.waiting.popleft()
@@ -132,6 +142,7 @@ class Scheduler:
             out.requests.append(req)
             out.num_scheduled_tokens.append(n)
             budget -= n
+            prefill -= n
         return out
 
     def _preempt(self, req: Request) -> None:

@@ -8,6 +8,7 @@ how the work was scheduled (chunking, preemption, batch composition).
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -44,16 +45,22 @@ def run_workload(engine: LLMEngine, arrivals: list[tuple[int, list[int], int]]):
 
     def checked_schedule(now):
         decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in sched.running)
+        left = {id(r): r.num_tokens - r.num_computed_tokens for r in sched.running}
         out = original_schedule(now)
-        # Steps that delay a decoding stream keep the (smaller) decode budget.
-        budget = sched.max_num_batched_tokens if decoding else sched.prefill_only_tokens
-        assert out.total_num_scheduled_tokens <= budget
+        assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
+        prompt = sum(n for r, n in zip(out.requests, out.num_scheduled_tokens)
+                     if left.get(id(r)) != 1)
+        cap = sched.max_prefill_tokens_with_decodes
+        if decoding and cap is not None:  # a chunk delays every decoding stream
+            assert prompt <= cap
         assert len(sched.running) <= sched.max_num_seqs
         assert len(out.requests) == len({id(r) for r in out.requests})
         assert all(n >= 1 for n in out.num_scheduled_tokens)
-        # Only the last scheduled request may stop short of its tokens (a chunk).
-        for r, n in list(zip(out.requests, out.num_scheduled_tokens))[:-1]:
-            assert r.num_computed_tokens + n == r.num_tokens
+        # Only the last scheduled request may stop short of its tokens (a chunk),
+        # unless the step's prompt tokens reached their cap.
+        short = [r for r, n in zip(out.requests, out.num_scheduled_tokens)
+                 if r.num_computed_tokens + n < r.num_tokens]
+        assert short in ([], out.requests[-1:]) or (decoding and prompt == cap)
         return out
 
     sched.schedule = checked_schedule
@@ -143,13 +150,14 @@ def test_abort_frees_blocks(tiny_config_path):
         min_size=1, max_size=10,
     ),
     caching=st.booleans(),
+    prompt_cap=st.one_of(st.none(), st.integers(1, 16)),
     seed=st.integers(0, 1000),
     quantization=st.sampled_from(["none", "int8", "int4"]),
     kv_cache_dtype=st.sampled_from(["auto", "int8"]),
 )
 def test_random_workloads_keep_invariants(
-    tiny_config_path, num_blocks, budget, max_seqs, reqs, caching, seed, quantization,
-    kv_cache_dtype,
+    tiny_config_path, num_blocks, budget, max_seqs, reqs, caching, prompt_cap, seed,
+    quantization, kv_cache_dtype,
 ):
     rng = random.Random(seed)
     max_len = num_blocks * BLOCK
@@ -169,6 +177,8 @@ def test_random_workloads_keep_invariants(
         max_num_seqs=max_seqs, enable_prefix_caching=caching, max_model_len=max_len,
         quantization=quantization, kv_cache_dtype=kv_cache_dtype,
     )
+    # The CPU default's cap on prompt tokens in steps with decodes.
+    engine.scheduler.max_prefill_tokens_with_decodes = prompt_cap
     outs = run_workload(engine, arrivals)
     assert [len(o.outputs[0].token_ids) for o in outs] == [n for _, _, n in arrivals]
 
@@ -186,3 +196,23 @@ def test_bad_requests_are_value_errors(tiny_config_path):
     with pytest.raises(ValueError, match="tokenizer"):
         engine.add_request("text without a tokenizer")
     assert not engine.has_unfinished_requests()
+
+
+def test_cpu_token_budget_follows_the_models_cost(tiny_config_path, monkeypatch):
+    """Without --max-num-batched-tokens a CPU engine measures a step's cost (t1 for
+    one token, c per further token): prompts get 2 t1 / c tokens in steps with
+    decodes, and the total leaves room for every sequence beside them."""
+    t1, c = 0.03, 0.003
+
+    def timed_forward(self, token_ids, logits_rows=None):
+        time.sleep(t1 + (len(token_ids) - 1) * c)
+
+    monkeypatch.setattr(LLMEngine, "score_tokens", timed_forward)
+    engine = make_engine(tiny_config_path, max_num_seqs=8)
+    cap = engine.scheduler.max_prefill_tokens_with_decodes
+    assert 16 <= cap <= 21  # 2 t1 / c = 20, less any timer overshoot
+    assert engine.max_num_batched_tokens >= 8 + cap
+    assert engine.max_num_batched_tokens >= 70  # prompt-only steps: ~1 + 8 t1 / c
+    monkeypatch.undo()
+    explicit = make_engine(tiny_config_path, max_num_batched_tokens=32)
+    assert explicit.scheduler.max_prefill_tokens_with_decodes is None  # vLLM's semantics
