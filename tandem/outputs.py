@@ -61,6 +61,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: int | str | None = None
+    # With SamplingParams.logprobs: per output token, {token id: logprob} of the
+    # sampled token and the top logprobs (vLLM's LLM.generate shape).
     logprobs: list[dict[int, float]] | None = None
 
 

@@ -139,16 +139,3 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Argmax decoding (vLLM's rule: temperature below 1e-5)."""
         return self.temperature < _SAMPLING_EPS
-
-    @property
-    def uses_penalties(self) -> bool:
-        """Whether the sampler must build token-count tensors for this request."""
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
-
-    @property
-    def top_k_enabled(self) -> bool:
-        return self.top_k > 0

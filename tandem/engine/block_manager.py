@@ -217,11 +217,3 @@ class KVCacheManager:
                     self.free_blocks.move_to_end(block_id, last=False)
         request.block_ids = []
         request.num_cached_blocks = 0
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (e.g. after the weights change)."""
-        for block in self.cached.values():
-            block.block_hash = None
-            block.token_ids = None
-            block.parent_id = None
-        self.cached.clear()

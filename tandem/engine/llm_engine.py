@@ -352,6 +352,8 @@ class LLMEngine:
         self, req: Request, tok: int, logprobs: dict[int, float] | None, now: float
     ) -> RequestOutput:
         req.append_token(tok)
+        if logprobs is not None:
+            req.logprobs.append(logprobs)
         t = req.times
         if t.first_token is None:
             t.first_token = now
@@ -405,6 +407,7 @@ class LLMEngine:
                 token_ids=list(req.output_token_ids),
                 finish_reason=req.finish_reason,
                 stop_reason=req.stop_reason,
+                logprobs=req.logprobs if req.sampling_params.logprobs is not None else None,
             )]
             out.metrics = RequestMetrics(
                 arrival_time=t.arrival,

@@ -69,10 +69,6 @@ class RequestTimes:
         return self.first_token - self.first_scheduled
 
     @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.arrival
-
-    @property
     def decode_s(self) -> float:
         if self.first_token is None:
             return 0.0
@@ -99,6 +95,8 @@ class Request:
         # Kept beside token_ids (appended together) so the sampler can read the
         # output without a per-step slice.
         self.output_token_ids: list[int] = []
+        # Per output token when sampling_params.logprobs is set: {token id: logprob}.
+        self.logprobs: list[dict[int, float]] = []
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens  # already capped by the context window
         self.generator = generator

@@ -112,3 +112,8 @@ def test_logprobs_returned(llm):
         assert tok in lp and len(lp) <= 3
         assert lp[tok] == max(lp.values())  # greedy picks the most likely token
         assert all(v <= 0 for v in lp.values())
+    # The finished output holds them all, as vLLM's LLM.generate returns them.
+    final = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3, logprobs=2))[0]
+    assert final.outputs[0].logprobs == [lp for _, lp in seen]
+    plain = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3))[0]
+    assert plain.outputs[0].logprobs is None
