@@ -39,8 +39,10 @@ import resource
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import gguf
 import numpy as np
@@ -50,6 +52,7 @@ from gguf.quants import quant_shape_to_byte_shape, quantize
 
 FORMAT_VERSION = 1  # bump when the files' content changes (the cache name carries it)
 CHUNK_FLOATS = 16 << 20  # float32 elements generated at once per worker (64 MB)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -77,9 +80,8 @@ TYPES = {
 }
 
 
-def can_quantize(name: str) -> bool:
+def can_quantize(qtype: Q) -> bool:
     """Whether gguf.quants implements quantization to this type (Q4_K: not in gguf 0.19)."""
-    qtype = TYPES[name][0]
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     try:
         quantize(np.zeros((1, block), np.float32), qtype)
@@ -89,7 +91,7 @@ def can_quantize(name: str) -> bool:
 
 
 def available_types() -> list[str]:
-    return [t for t in TYPES if can_quantize(t)]
+    return [t for t, (qtype, _) in TYPES.items() if can_quantize(qtype)]
 
 
 def default_path(shape: str, qtype: str) -> Path:
@@ -119,25 +121,26 @@ def tensor_list(s: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+def copy_fields(writer: gguf.GGUFWriter, reader: gguf.GGUFReader,
+                keep: Callable[[str], bool]) -> None:
+    """Copy the metadata fields of reader whose names keep selects, each with its own
+    GGUF types (an array keeps its element type)."""
+    for name, field in reader.fields.items():
+        if keep(name):
+            main = field.types[0]
+            sub = field.types[-1] if main == GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), main, sub_type=sub)
+
+
 def copy_tokenizer(writer: gguf.GGUFWriter, src: Path) -> int:
     """Copy every ``tokenizer.*`` field of src (tokens, token types, merges, scores if any,
     special ids, chat template, ggml.model/pre) with its own types; return the vocab size."""
     reader = gguf.GGUFReader(str(src))
-    vocab = 0
-    for name, field in reader.fields.items():
-        if not name.startswith("tokenizer."):
-            continue
-        main = field.types[0]
-        value = field.contents()
-        if main == GGUFValueType.ARRAY:
-            writer.add_key_value(name, value, main, sub_type=field.types[-1])
-        else:
-            writer.add_key_value(name, value, main)
-        if name == "tokenizer.ggml.tokens":
-            vocab = len(value)
-    if not vocab:
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None or not tokens.data:
         raise ValueError(f"{src} has no tokenizer.ggml.tokens")
-    return vocab
+    copy_fields(writer, reader, lambda name: name.startswith("tokenizer."))
+    return len(tokens.data)
 
 
 def _matrix(shape: tuple[int, int], qtype: Q, seed: int, index: int) -> np.ndarray:
@@ -167,7 +170,7 @@ def write_synthetic(path: Path, shape: str, qtype_name: str, *, seed: int = 0,
 
     s = SHAPES[shape]
     qtype, ftype = TYPES[qtype_name]
-    if not can_quantize(qtype_name):
+    if not can_quantize(qtype):
         raise ValueError(f"this gguf package cannot quantize to {qtype.name}; "
                          f"choose one of {available_types()}")
     t0 = time.perf_counter()
@@ -221,6 +224,22 @@ def write_synthetic(path: Path, shape: str, qtype_name: str, *, seed: int = 0,
     }
 
 
+def write_atomically(dest: Path, write: Callable[[Path], T]) -> T:
+    """write(path) into a temporary file beside dest, then renamed to dest: a crash or a
+    concurrent reader never sees a partial file. Returns what write returned."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.tmp-")
+    os.close(fd)
+    try:
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; like any cache file
+        result = write(Path(tmp))
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return result
+
+
 def synthetic_gguf(shape: str, qtype: str, out: str | os.PathLike | None = None, *,
                    force: bool = False, seed: int = 0, log=None) -> Path:
     """The cached file for (shape, type) (or out), written first if absent or force."""
@@ -231,16 +250,8 @@ def synthetic_gguf(shape: str, qtype: str, out: str | os.PathLike | None = None,
     dest = Path(out) if out is not None else default_path(shape, qtype)
     if dest.is_file() and not force:
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.tmp-")
-    os.close(fd)
-    try:
-        os.chmod(tmp, 0o644)
-        info = write_synthetic(Path(tmp), shape, qtype, seed=seed, log=log)
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    info = write_atomically(dest, lambda tmp: write_synthetic(tmp, shape, qtype, seed=seed,
+                                                               log=log))
     if log is not None:
         log(f"wrote {dest}: {info['params'] / 1e9:.2f} B params, {info['bytes'] / 1e9:.2f} GB "
             f"in {info['seconds']:.0f} s (writer peak RSS {info['maxrss_bytes'] / 2**30:.2f} GiB)")
