@@ -148,7 +148,8 @@ class LLMEngine:
             self.kv_manager, c.max_num_seqs, budget_tokens, c.enable_chunked_prefill,
             prefill_cap,
         )
-        self.runner = ModelRunner(self.model, self.kv_caches, c.block_size, self.eos_token_ids)
+        self.runner = ModelRunner(self.model, self.kv_caches, c.block_size, self.eos_token_ids,
+                                  c.max_num_seqs, max_len)
         self.kv_bytes_per_token = bytes_per_token
         logger.info(
             "KV cache (%s): %d blocks x %d tokens = %d tokens, %d bytes/token (%.2f GiB); "
@@ -234,7 +235,7 @@ class LLMEngine:
         meta = AttentionMetadata(
             slot_mapping=torch.arange(n, device=dev),
             decode=None,
-            prefill=build_group([n], [n], [list(range(nblk))], bs, dev, self.dtype),
+            prefill=build_group([n], [n], torch.arange(nblk)[None], bs, dev, self.dtype),
         )
         rows = n if logits_rows is None else logits_rows
         return self.model.forward(
@@ -323,7 +324,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
         req.times.finished = time.monotonic()
         return self._output(req, [], "", None, req.times.finished)
 
@@ -334,6 +335,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         now = time.monotonic()
         sched = self.scheduler.schedule(now)
+        for req in sched.preempted:  # recomputed later, in fresh blocks
+            self.runner.block_table.release(req.request_id)
         if not sched:
             return []
         result = self.runner.execute(sched)
@@ -378,10 +381,15 @@ class LLMEngine:
             status = RequestStatus.FINISHED_LENGTH
         delta = "" if detok is None else detok.take_delta(finished=status is not None)
         if status is not None:
-            self.scheduler.finish_request(req, status)
+            self._finish(req, status)
             self.requests.pop(req.request_id, None)
             t.finished = now
         return self._output(req, [tok], delta, logprobs, now)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """The request leaves the scheduler, its blocks and its block-table row."""
+        self.scheduler.finish_request(req, status)
+        self.runner.block_table.release(req.request_id)
 
     def _output(
         self,

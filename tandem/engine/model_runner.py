@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine.block_table import BlockTable
 from tandem.engine.request import Request
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.model.attention import AttentionMetadata, build_group
@@ -49,20 +50,24 @@ class ModelRunner:
         kv_caches: list[KVCache],
         block_size: int,
         eos_token_ids: frozenset[int],
+        max_num_seqs: int,
+        max_model_len: int,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
+        self.block_table = BlockTable(max_num_seqs, -(-max_model_len // block_size) + 1)
         self.eos_token_ids = eos_token_ids
         self.device = model.device
         self.vocab_size = model.cfg.vocab_size
         self.sampler = Sampler()
         self.decode_step = DecodeStep.build(model, kv_caches, block_size)
 
-    def _slots(self, req: Request, start: int, n: int) -> torch.Tensor:
+    def _slots(self, row: int, start: int, n: int) -> torch.Tensor:
+        """Cache slots of positions [start, start + n) of the sequence in ``row``."""
         bs = self.block_size
         pos = torch.arange(start, start + n)
-        return torch.tensor(req.block_ids, dtype=torch.long)[pos // bs] * bs + pos % bs
+        return self.block_table.tensor[row, pos // bs].long() * bs + pos % bs
 
     def prepare(self, out: SchedulerOutput) -> tuple:
         """Flat inputs, decodes (1 new token) first, then prefill chunks."""
@@ -78,11 +83,12 @@ class ModelRunner:
             positions.append(c)
             slots.append(r.block_ids[c // bs] * bs + c % bs)
         slot_parts = [torch.tensor(slots, dtype=torch.long)]
-        for r, n in pre:
+        pre_rows = self.block_table.rows([r for r, _ in pre])
+        for (r, n), row in zip(pre, pre_rows):
             c = r.num_computed_tokens
             ids.extend(r.token_ids[c : c + n])
             positions.extend(range(c, c + n))
-            slot_parts.append(self._slots(r, c, n))
+            slot_parts.append(self._slots(row, c, n))
         # Rows whose chunk reaches the end of their tokens sample a token.
         sample_reqs: list[Request] = []
         logits_idx: list[int] = []
@@ -93,13 +99,14 @@ class ModelRunner:
                 sample_reqs.append(r)
                 logits_idx.append(t - 1)
 
-        def group(items: list[tuple[Request, int]]):
+        def group(items: list[tuple[Request, int]], rows: list[int]):
             if not items:
                 return None
+            ctx = [r.num_computed_tokens + n for r, n in items]
             return build_group(
                 [n for _, n in items],
-                [r.num_computed_tokens + n for r, n in items],
-                [r.block_ids for r, _ in items],
+                ctx,
+                self.block_table.table(rows, -(-max(ctx) // bs)),
                 bs,
                 self.device,
                 self.model.dtype,
@@ -108,8 +115,8 @@ class ModelRunner:
 
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_parts).to(self.device),
-            decode=group(dec),
-            prefill=group(pre),
+            decode=group(dec, self.block_table.rows([r for r, _ in dec])),
+            prefill=group(pre, pre_rows),
         )
         dev = self.device
         return (
@@ -124,7 +131,7 @@ class ModelRunner:
         argmax = None
         if self.decode_step is not None and self.decode_step.takes(out):
             sample_reqs = out.requests
-            logits, argmax = self.decode_step(sample_reqs)
+            logits, argmax = self.decode_step(sample_reqs, self.block_table)
         else:
             input_ids, positions, meta, logits_idx, sample_reqs = self.prepare(out)
             logits = self.model.forward(input_ids, positions, self.kv_caches, meta, logits_idx)

@@ -48,18 +48,10 @@ class AttentionMetadata:
     prefill: AttnGroup | None
 
 
-def padded_block_table(block_tables: list[list[int]], num_blocks: int,
-                       dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """[B, num_blocks] block ids in one tensor op: each row cut to num_blocks or
-    padded with block 0 (never read: past the sequence's context)."""
-    rows = (bt[:num_blocks] for bt in block_tables)
-    return torch.tensor([r + [0] * (num_blocks - len(r)) for r in rows], dtype=dtype)
-
-
 def build_group(
     q_lens: list[int],
     ctx_lens: list[int],
-    block_tables: list[list[int]],
+    block_table: torch.Tensor,
     block_size: int,
     device: torch.device,
     dtype: torch.dtype = torch.float32,
@@ -68,8 +60,10 @@ def build_group(
     """Index tensors for one group; O(sequences + blocks) host work.
 
     q_lens[i] new tokens of sequence i attend causally to its ctx_lens[i]
-    cached+new tokens (the new ones are the last q_lens[i]). ``fused``: a
-    decode group gets the block table and lengths the fused kernel reads.
+    cached+new tokens (the new ones are the last q_lens[i]), in the blocks of
+    row i of ``block_table`` (CPU, integer, at least the longest context's
+    blocks wide; entries past a context are never read). ``fused``: a decode
+    group gets the block table and lengths the fused kernel reads.
     """
     b = len(q_lens)
     max_q, max_ctx = max(q_lens), max(ctx_lens)
@@ -78,10 +72,10 @@ def build_group(
         return AttnGroup(
             num_tokens=b, key_slots=None, mask=None, q_index=None, out_index=None, batch=b,
             q_len=1, block_size=block_size,
-            block_table=padded_block_table(block_tables, nblk, torch.int32).to(device),
+            block_table=block_table[:, :nblk].to(device=device, dtype=torch.int32).contiguous(),
             context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
         )
-    table = padded_block_table(block_tables, nblk)
+    table = block_table[:, :nblk].long()
     offs = torch.arange(block_size, dtype=torch.long)
     key_slots = (table.unsqueeze(-1) * block_size + offs).view(b, -1)[:, :max_ctx].reshape(-1)
     ctx = torch.tensor(ctx_lens, dtype=torch.long)

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.model.attention import padded_block_table
 from tandem.model.kv_cache import KVCache
 from tandem.model.llama import LlamaModel
 
 if TYPE_CHECKING:  # the engine's types, read by attribute only
+    from tandem.engine.block_table import BlockTable
     from tandem.engine.request import Request
     from tandem.engine.scheduler import SchedulerOutput
 
@@ -87,7 +87,8 @@ class DecodeStep:
             n == 1 and r.num_computed_tokens + 1 == r.num_tokens
             for r, n in zip(out.requests, out.num_scheduled_tokens))
 
-    def __call__(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, reqs: list[Request], block_table: BlockTable
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, vocab] of the B decoding sequences and each row's argmax
         (the greedy token, so plain greedy sampling runs no torch op after the
         step); their new K/V go to the caches. Two small tensors of host work."""
@@ -97,5 +98,5 @@ class DecodeStep:
             c = r.num_computed_tokens
             tokens.append((r.token_ids[c], c, r.block_ids[c // bs] * bs + c % bs))
         nblk = max(c for _, c, _ in tokens) // bs + 1  # blocks of the longest context
-        table = padded_block_table([r.block_ids for r in reqs], nblk, torch.int32)
+        table = block_table.table(block_table.rows(reqs), nblk)
         return self._step.forward(torch.tensor(tokens, dtype=torch.long), table)

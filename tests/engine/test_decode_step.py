@@ -26,12 +26,12 @@ class CheckedStep:
     def takes(self, out: SchedulerOutput) -> bool:
         return self.step.takes(out)
 
-    def __call__(self, reqs):
+    def __call__(self, reqs, block_table):
         out = SchedulerOutput(list(reqs), [1] * len(reqs))
         input_ids, positions, meta, _, _ = self.runner.prepare(out)
         rows = torch.arange(len(reqs))
         want = self.runner.model.forward(input_ids, positions, self.runner.kv_caches, meta, rows)
-        got, argmax = self.step(reqs)
+        got, argmax = self.step(reqs, block_table)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         assert argmax.tolist() == got.argmax(-1).tolist()
         self.batches.append(len(reqs))

@@ -15,6 +15,8 @@ from tandem.model.attention import AttentionMetadata, build_group, paged_attenti
 from tandem.model.kv_cache import DenseKVCache, Int8KVCache
 from tandem.model.linear import Int8Linear, quantize_activations
 
+from .test_kv_cache import padded_block_table
+
 CPU = torch.device("cpu")
 _custom_ops.available()  # loads torch.ops.tandem (test_kernels_are_built_here says if not)
 ops = torch.ops.tandem
@@ -86,7 +88,8 @@ def test_paged_attention_decode_matches_gather_and_sdpa(cache_cls, h, hkv, d, ct
     q = torch.randn(len(ctx), h + 2 * hkv, d)[:, :h]  # strided, like the model's view
     out = {}
     for fused in (False, True):
-        g = build_group([1] * len(ctx), ctx, tables, bs, CPU, fused=fused)
+        g = build_group([1] * len(ctx), ctx, padded_block_table(tables, nb), bs, CPU,
+                        fused=fused)
         out[fused] = paged_attention(q, cache, AttentionMetadata(None, g, None), d**-0.5)
     torch.testing.assert_close(out[True], out[False], atol=2e-5, rtol=1e-4)
 

@@ -13,6 +13,11 @@ H, HKV, D, BS = 6, 2, 16, 4
 CPU = torch.device("cpu")
 
 
+def padded_block_table(block_tables: list[list[int]], num_blocks: int) -> torch.Tensor:
+    """[B, num_blocks] block ids, each row padded with block 0 (past its context)."""
+    return torch.tensor([bt + [0] * (num_blocks - len(bt)) for bt in block_tables])
+
+
 def test_int8_roundtrip_and_size():
     torch.manual_seed(0)
     dense = DenseKVCache(64, HKV, D, torch.float32, CPU)
@@ -63,8 +68,9 @@ def test_paged_attention_matches_dense_reference(cache_cls, tol):
     q = torch.randn(sum(q_lens), H, D)
     meta = AttentionMetadata(
         slot_mapping=torch.empty(0, dtype=torch.long),
-        decode=build_group(q_lens[:2], ctx_lens[:2], tables[:2], BS, CPU),
-        prefill=build_group(q_lens[2:], ctx_lens[2:], tables[2:], BS, CPU),
+        decode=build_group(q_lens[:2], ctx_lens[:2], padded_block_table(tables[:2], 3), BS, CPU),
+        prefill=build_group(q_lens[2:], ctx_lens[2:], padded_block_table(tables[2:], 3), BS,
+                            CPU),
     )
     out = paged_attention(q, cache, meta, D**-0.5)
     ref = reference_attention(q, k, v, ctx_lens, q_lens)
