@@ -127,11 +127,30 @@ class ModelRunner:
             sample_reqs,
         )
 
+    def uses_decode_step(self, out: SchedulerOutput) -> bool:
+        """Which path runs this step: the one-call decode step when it is built,
+        every scheduled sequence decodes one token and samples, and they fit."""
+        step = self.decode_step
+        return step is not None and len(out.requests) <= step.max_batch and all(
+            n == 1 and r.num_computed_tokens + 1 == r.num_tokens
+            for r, n in zip(out.requests, out.num_scheduled_tokens))
+
+    def _decode_step_inputs(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode step's token rows (id, position, slot) and block table."""
+        bs = self.block_size
+        tokens = []
+        for r in reqs:
+            c = r.num_computed_tokens
+            tokens.append((r.token_ids[c], c, r.block_ids[c // bs] * bs + c % bs))
+        nblk = max(c for _, c, _ in tokens) // bs + 1  # blocks of the longest context
+        table = self.block_table.table(self.block_table.rows(reqs), nblk)
+        return torch.tensor(tokens, dtype=torch.long), table
+
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         argmax = None
-        if self.decode_step is not None and self.decode_step.takes(out):
+        if self.uses_decode_step(out):
             sample_reqs = out.requests
-            logits, argmax = self.decode_step(sample_reqs, self.block_table)
+            logits, argmax = self.decode_step(*self._decode_step_inputs(sample_reqs))
         else:
             input_ids, positions, meta, logits_idx, sample_reqs = self.prepare(out)
             logits = self.model.forward(input_ids, positions, self.kv_caches, meta, logits_idx)

@@ -7,25 +7,19 @@ matmul cost ~3.5 ms of a 22 ms fp32 step at batch 1 for the default model.
 ``torch.classes.tandem.DecodeStep`` (tandem/csrc/decode_step.h) runs the
 embedding rows, every layer and the LM head in one OpenMP team instead, with
 the same kernels as the per-op path (tandem._custom_ops) and, for fp32
-weights, its own row-streaming matmul. It takes the steps where every
-scheduled sequence decodes one token and samples, up to ``max_batch`` of them;
-other steps run LlamaModel.forward.
+weights, its own row-streaming matmul. The model runner gives it the steps
+where every scheduled sequence decodes one token and samples, up to
+``max_batch`` of them; other steps run LlamaModel.forward.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.model.kv_cache import KVCache
 from tandem.model.llama import LlamaModel
-
-if TYPE_CHECKING:  # the engine's types, read by attribute only
-    from tandem.engine.block_table import BlockTable
-    from tandem.engine.request import Request
-    from tandem.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -81,22 +75,11 @@ class DecodeStep:
         return model.fused and all(
             lin.step_args is not None for lin in (*_matmuls(model), model.lm_head))
 
-    def takes(self, out: SchedulerOutput) -> bool:
-        """Every scheduled sequence decodes one token and samples, and they fit."""
-        return len(out.requests) <= self.max_batch and all(
-            n == 1 and r.num_computed_tokens + 1 == r.num_tokens
-            for r, n in zip(out.requests, out.num_scheduled_tokens))
-
-    def __call__(self, reqs: list[Request], block_table: BlockTable
+    def __call__(self, tokens: torch.Tensor, block_table: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [B, vocab] of the B decoding sequences and each row's argmax
-        (the greedy token, so plain greedy sampling runs no torch op after the
-        step); their new K/V go to the caches. Two small tensors of host work."""
-        bs = self.block_size
-        tokens = []
-        for r in reqs:
-            c = r.num_computed_tokens
-            tokens.append((r.token_ids[c], c, r.block_ids[c // bs] * bs + c % bs))
-        nblk = max(c for _, c, _ in tokens) // bs + 1  # blocks of the longest context
-        table = block_table.table(block_table.rows(reqs), nblk)
-        return self._step.forward(torch.tensor(tokens, dtype=torch.long), table)
+        """tokens [B, 3] int64 (each decoding sequence's new token id, its
+        position and its cache slot), block_table [B, blocks] int32 covering
+        each position -> logits [B, vocab] and each row's argmax (the greedy
+        token, so plain greedy sampling runs no torch op after the step). The
+        new K/V go to the caches."""
+        return self._step.forward(tokens, block_table)

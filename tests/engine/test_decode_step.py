@@ -22,16 +22,22 @@ class CheckedStep:
         self.runner, self.step = engine.runner, engine.runner.decode_step
         self.max_batch = self.step.max_batch
         self.batches: list[int] = []
+        self.reqs: list = []
+        inputs = self.runner._decode_step_inputs
 
-    def takes(self, out: SchedulerOutput) -> bool:
-        return self.step.takes(out)
+        def recorded(reqs):
+            self.reqs = reqs
+            return inputs(reqs)
 
-    def __call__(self, reqs, block_table):
+        self.runner._decode_step_inputs = recorded
+
+    def __call__(self, tokens, block_table):
+        reqs = self.reqs
         out = SchedulerOutput(list(reqs), [1] * len(reqs))
         input_ids, positions, meta, _, _ = self.runner.prepare(out)
         rows = torch.arange(len(reqs))
         want = self.runner.model.forward(input_ids, positions, self.runner.kv_caches, meta, rows)
-        got, argmax = self.step(reqs, block_table)
+        got, argmax = self.step(tokens, block_table)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         assert argmax.tolist() == got.argmax(-1).tolist()
         self.batches.append(len(reqs))
