@@ -45,12 +45,11 @@ TORCH_LIBRARY(tandem, m) {
       "Tensor context_lens, int block_size, float scale) -> Tensor");
   m.def("matvec(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor lo, int N) -> Tensor");
-  using TensorList = std::vector<at::Tensor>;
   m.class_<tandem::DecodeStep>("DecodeStep")
-      .def(torch::init<at::Tensor, at::Tensor, TensorList, int64_t, int64_t, at::Tensor,
-                       at::Tensor, TensorList, TensorList, TensorList, TensorList, TensorList,
-                       TensorList, TensorList, TensorList, std::vector<int64_t>, int64_t,
-                       int64_t, int64_t, double>())
+      .def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t,
+                       int64_t, double>())
+      .def("set_lm_head", &tandem::DecodeStep::set_lm_head)
+      .def("add_layer", &tandem::DecodeStep::add_layer)
       .def("forward", &tandem::DecodeStep::forward);
   m.def("int8_linear(Tensor x, Tensor packed, Tensor w_scale, Tensor g_scale, int N) -> Tensor");
 }

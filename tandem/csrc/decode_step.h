@@ -26,110 +26,129 @@
 
 namespace tandem {
 
+// One layer's weights and KV cache, as the step reads them. Optional parts
+// (Qwen2's Q/K/V bias, Qwen3's per-head Q/K norms, an int8 cache's scales) are
+// undefined tensors when the model has none.
+struct StepLayer {
+  at::Tensor input_norm, post_norm;
+  StepMatmul qkv, o, gate_up, down;
+  at::Tensor qkv_bias, q_norm, k_norm;
+  at::Tensor cache, cache_scale;
+};
+
 struct DecodeStep : torch::CustomClassHolder {
   // Attention splits a context into ranges of at least this many tokens
   // (the team is awake: a short range costs only its merge).
   static constexpr int64_t kMinSplitTokens = 64;
 
-  // Per layer; qkv_bias, q_norm and k_norm may be empty lists, cache_scales
-  // is empty for a float cache.
-  std::vector<at::Tensor> input_norm, post_norm, qkv_bias, q_norm, k_norm, caches, cache_scales;
-  std::vector<StepMatmul> qkv, o, gate_up, down;
-  StepMatmul lm_head;
+  std::vector<StepLayer> layers;
+  StepMatmul lm_head{WeightKind::kDense, {}, {}, {}, 0, 0};
   at::Tensor embed, norm, cos, sin;  // embed: float32, or float16 in quantized models
-  int64_t H, hkv, D, hidden, inter, vocab, block_size;
+  int64_t H, hkv = 0, D, hidden, inter, vocab = 0, block_size;
   // Threads' shares of every layer matmul's outputs start on multiples of
   // this: the largest unit of any layer's weight format.
   int64_t unit = 1;
   float eps, scale;
 
-  // matmuls: per layer qkv, o, gate_up, down, three tensors each (dense:
-  // the [out, in] weight and two unused; int8: packed, w_scale, group scales
-  // or empty; int4: packed, scale, lo), of weight kinds `kinds` (one per
-  // matmul: a GGUF mixes formats, e.g. Q4_K_M's Q6_K down_proj); lm_head: the
-  // LM head's three, of kind lm_kind.
-  DecodeStep(at::Tensor embed_, at::Tensor norm_, std::vector<at::Tensor> lm_head_,
-             int64_t lm_kind, int64_t vocab_size, at::Tensor cos_,
-             at::Tensor sin_, std::vector<at::Tensor> input_norm_,
-             std::vector<at::Tensor> post_norm_, std::vector<at::Tensor> matmuls,
-             std::vector<at::Tensor> qkv_bias_, std::vector<at::Tensor> q_norm_,
-             std::vector<at::Tensor> k_norm_, std::vector<at::Tensor> caches_,
-             std::vector<at::Tensor> cache_scales_, std::vector<int64_t> kinds,
-             int64_t num_heads,
-             int64_t intermediate_size, int64_t block_size_, double eps_)
-      : input_norm(std::move(input_norm_)), post_norm(std::move(post_norm_)),
-        qkv_bias(std::move(qkv_bias_)), q_norm(std::move(q_norm_)), k_norm(std::move(k_norm_)),
-        caches(std::move(caches_)), cache_scales(std::move(cache_scales_)),
-        embed(std::move(embed_)), norm(std::move(norm_)), cos(std::move(cos_)),
-        sin(std::move(sin_)),
-        H(num_heads), inter(intermediate_size), block_size(block_size_),
-        eps(static_cast<float>(eps_)) {
-    const size_t L = caches.size();
-    auto known = [](int64_t k) { return k >= 0 && k <= 2; };
-    TORCH_CHECK(known(lm_kind) && std::all_of(kinds.begin(), kinds.end(), known),
-                "DecodeStep: unknown weight kind");
-    TORCH_CHECK(lm_head_.size() == 3, "DecodeStep: the LM head needs three tensors");
-    TORCH_CHECK(L > 0 && input_norm.size() == L && post_norm.size() == L &&
-                    matmuls.size() == 12 * L && kinds.size() == 4 * L,
-                "DecodeStep: every per-layer list needs one entry per layer (matmuls: 12, "
-                "kinds: 4)");
-    TORCH_CHECK((qkv_bias.empty() || qkv_bias.size() == L) && q_norm.size() == k_norm.size() &&
-                    (q_norm.empty() || q_norm.size() == L) &&
-                    (cache_scales.empty() || cache_scales.size() == L),
-                "DecodeStep: optional per-layer lists must be empty or one per layer");
-    hidden = embed.size(1);
-    vocab = vocab_size;
-    hkv = caches[0].size(2);
-    D = caches[0].size(3);
-    scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-    const int64_t qkv_n = (H + 2 * hkv) * D;
-    auto dense = [](const at::Tensor& t, int64_t rows, int64_t cols, const char* name) {
-      TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
-                      t.dim() == (cols ? 2 : 1) && t.size(0) == rows &&
-                      (!cols || t.size(1) == cols),
-                  "DecodeStep: ", name, " must be a contiguous float32 CPU tensor of the "
-                  "model's shape");
-    };
+  // Built in three calls from Python (tandem/model/decode_step.py): the
+  // shared tensors here, then set_lm_head and one add_layer per layer. Each
+  // checks what it is given against the model's shape and refuses what the
+  // step does not implement (another RoPE width, a cache of other heads, a
+  // weight kind it has no kernel for): the caller then keeps the per-op path.
+  DecodeStep(at::Tensor embed_, at::Tensor norm_, at::Tensor cos_, at::Tensor sin_,
+             int64_t num_heads, int64_t head_dim, int64_t intermediate_size,
+             int64_t block_size_, double eps_)
+      : embed(std::move(embed_)), norm(std::move(norm_)), cos(std::move(cos_)),
+        sin(std::move(sin_)), H(num_heads), D(head_dim), inter(intermediate_size),
+        block_size(block_size_), eps(static_cast<float>(eps_)) {
     TORCH_CHECK(embed.device().is_cpu() && embed.is_contiguous() && embed.dim() == 2 &&
                     (embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kHalf),
                 "DecodeStep: embed must be a contiguous float32 or float16 CPU matrix");
+    hidden = embed.size(1);
+    scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
     dense(norm, hidden, 0, "norm");
-    lm_head = StepMatmul{static_cast<WeightKind>(lm_kind), lm_head_[0], lm_head_[1], lm_head_[2],
-                         vocab, hidden};
-    lm_head.check("lm_head");
+    // RoPE rotates every head's whole width (no partial rotary).
     dense(cos, cos.size(0), D, "cos");
     dense(sin, cos.size(0), D, "sin");
-    for (size_t l = 0; l < L; l++) {
-      const at::Tensor* m = matmuls.data() + 12 * l;
-      auto add = [&](std::vector<StepMatmul>& list, int64_t i, int64_t N, int64_t K,
-                     const char* name) {
-        const auto kind = static_cast<WeightKind>(kinds[4 * l + i]);
-        list.push_back(StepMatmul{kind, m[3 * i], m[3 * i + 1], m[3 * i + 2], N, K});
-        list.back().check(name);
-      };
-      add(qkv, 0, qkv_n, hidden, "qkv");
-      add(o, 1, hidden, H * D, "o");
-      add(gate_up, 2, 2 * inter, hidden, "gate_up");
-      add(down, 3, hidden, inter, "down");
-      for (const auto* list : {&qkv, &o, &gate_up, &down})
-        unit = std::max(unit, StepMatmul::unit(list->back().kind));
-      dense(input_norm[l], hidden, 0, "input_norm");
-      dense(post_norm[l], hidden, 0, "post_norm");
-      if (!qkv_bias.empty()) dense(qkv_bias[l], qkv_n, 0, "qkv_bias");
-      if (!q_norm.empty()) {
-        dense(q_norm[l], D, 0, "q_norm");
-        dense(k_norm[l], D, 0, "k_norm");
-      }
-      RopeAndCache check{};
-      bind_cache(check, caches[l],
-                 cache_scales.empty() ? std::optional<at::Tensor>() : cache_scales[l]);
-      TORCH_CHECK(caches[l].size(2) == hkv && caches[l].size(3) == D,
-                  "DecodeStep: every layer's cache must have the same heads");
-    }
+    TORCH_CHECK(D % 2 == 0 && block_size > 0, "DecodeStep: odd head size or empty blocks");
+  }
+
+  static void dense(const at::Tensor& t, int64_t rows, int64_t cols, const char* name) {
+    TORCH_CHECK(t.defined() && t.device().is_cpu() && t.scalar_type() == at::kFloat &&
+                    t.is_contiguous() && t.dim() == (cols ? 2 : 1) && t.size(0) == rows &&
+                    (!cols || t.size(1) == cols),
+                "DecodeStep: ", name, " must be a contiguous float32 CPU tensor of the "
+                "model's shape");
+  }
+
+  static StepMatmul matmul(int64_t kind, at::Tensor w, at::Tensor a, at::Tensor b, int64_t N,
+                           int64_t K, const char* name) {
+    TORCH_CHECK(kind >= 0 && kind <= 2, "DecodeStep: ", name, " has an unknown weight kind");
+    StepMatmul m{static_cast<WeightKind>(kind), std::move(w), std::move(a), std::move(b), N, K};
+    m.check(name);
+    return m;
+  }
+
+  // The LM head's weight of `kind` (its tensors as for add_layer's matmuls).
+  void set_lm_head(int64_t kind, at::Tensor w, at::Tensor a, at::Tensor b, int64_t vocab_size) {
+    vocab = vocab_size;
+    lm_head = matmul(kind, std::move(w), std::move(a), std::move(b), vocab, hidden, "lm_head");
+  }
+
+  // One layer. kinds: the weight kind of qkv, o, gate_up, down (a GGUF mixes
+  // formats, e.g. Q4_K_M's Q6_K down_proj); matmuls: their tensors, three
+  // each (dense: the [out, in] weight, the other two unused; int8: packed,
+  // w_scale, group scales or empty; int4: packed, scale, lo).
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<int64_t> kinds,
+                 std::vector<at::Tensor> matmuls, std::optional<at::Tensor> qkv_bias,
+                 std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
+                 at::Tensor cache, std::optional<at::Tensor> cache_scale) {
+    TORCH_CHECK(kinds.size() == 4 && matmuls.size() == 12,
+                "DecodeStep: a layer has four matmuls (qkv, o, gate_up, down), three tensors "
+                "each");
+    TORCH_CHECK(cache.dim() == 4 && cache.size(1) == 2 && cache.size(3) == D &&
+                    (layers.empty() || cache.size(2) == hkv),
+                "DecodeStep: every layer's cache must be [slots, 2, kv heads, head size] with "
+                "the same heads");
+    hkv = cache.size(2);
+    TORCH_CHECK(hkv > 0 && H % hkv == 0, "DecodeStep: query heads must be a multiple of KV "
+                "heads");
+    const int64_t qkv_n = (H + 2 * hkv) * D;
+    StepLayer l;
+    l.input_norm = std::move(input_norm);
+    l.post_norm = std::move(post_norm);
+    dense(l.input_norm, hidden, 0, "input_norm");
+    dense(l.post_norm, hidden, 0, "post_norm");
+    const at::Tensor* m = matmuls.data();
+    l.qkv = matmul(kinds[0], m[0], m[1], m[2], qkv_n, hidden, "qkv");
+    l.o = matmul(kinds[1], m[3], m[4], m[5], hidden, H * D, "o");
+    l.gate_up = matmul(kinds[2], m[6], m[7], m[8], 2 * inter, hidden, "gate_up");
+    l.down = matmul(kinds[3], m[9], m[10], m[11], hidden, inter, "down");
+    for (const auto* mm : {&l.qkv, &l.o, &l.gate_up, &l.down})
+      unit = std::max(unit, StepMatmul::unit(mm->kind));
     // Threads split Q/K/V by heads and gate/up by matching rows: both must
     // fall on whole units of the weight formats.
     TORCH_CHECK(D % unit == 0 && inter % unit == 0,
                 "DecodeStep: head size and intermediate size must be multiples of ", unit);
+    if (qkv_bias) {
+      dense(*qkv_bias, qkv_n, 0, "qkv_bias");
+      l.qkv_bias = *qkv_bias;
+    }
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecodeStep: Q and K norms go "
+                "together");
+    if (q_norm) {
+      dense(*q_norm, D, 0, "q_norm");
+      dense(*k_norm, D, 0, "k_norm");
+      l.q_norm = *q_norm;
+      l.k_norm = *k_norm;
+    }
+    RopeAndCache check{};
+    bind_cache(check, cache, cache_scale);
+    TORCH_CHECK(layers.empty() || cache_scale.has_value() == layers[0].cache_scale.defined(),
+                "DecodeStep: every layer's cache must be of one kind");
+    l.cache = std::move(cache);
+    if (cache_scale) l.cache_scale = *cache_scale;
+    layers.push_back(std::move(l));
   }
 
   // tokens [B, 3] int64: each sequence's new token id, its position and its
@@ -140,10 +159,12 @@ struct DecodeStep : torch::CustomClassHolder {
   // have just swept (~0.3 ms for the sampler's few ops at batch 1).
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& tokens,
                                              const at::Tensor& block_tables) {
+    TORCH_CHECK(!layers.empty() && vocab > 0, "DecodeStep: add the layers and the LM head "
+                "before the first step");
     TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 2 && tokens.size(1) == 3 &&
                     tokens.size(0) > 0 && tokens.is_contiguous(),
                 "tokens must be a contiguous int64 [B, 3]: token id, position, slot");
-    const int64_t B = tokens.size(0), num_slots = caches[0].size(0);
+    const int64_t B = tokens.size(0), num_slots = layers[0].cache.size(0);
     const int64_t* tk = tokens.data_ptr<int64_t>();
     std::vector<int64_t> ids(B), pos(B), slot(B);
     auto context_lens = at::empty({B}, tokens.options().dtype(at::kInt));
@@ -206,23 +227,23 @@ struct DecodeStep : torch::CustomClassHolder {
       const auto [i0, i1] = share(inter, t, nt, unit);  // gate rows [i0, i1) and their up rows
       const auto [v0, v1] = share(vocab, t, nt, StepMatmul::unit(lm_head.kind));
       StepInput in;
-      for (size_t l = 0; l < caches.size(); l++) {
-        const float* sc = cache_scales.empty() ? nullptr : cache_scales[l].data_ptr<float>();
+      for (const StepLayer& L : layers) {
+        const float* sc = L.cache_scale.defined() ? L.cache_scale.data_ptr<float>() : nullptr;
         RopeAndCache rope{cos.data_ptr<float>(), sin.data_ptr<float>(), H, hkv, D,
-                          sc ? nullptr : caches[l].data_ptr<float>(),
-                          sc ? caches[l].data_ptr<int8_t>() : nullptr, const_cast<float*>(sc)};
-        normed(input_norm[l]);
-        qkv[l].prepare(xt, hidden, B, in);
-        qkv[l].apply(in, head0 * D, head1 * D,
-                     qkv_bias.empty() ? nullptr : qkv_bias[l].data_ptr<float>(), false,
-                     qkv_out.data(), qkv_n);
+                          sc ? nullptr : L.cache.data_ptr<float>(),
+                          sc ? L.cache.data_ptr<int8_t>() : nullptr, const_cast<float*>(sc)};
+        normed(L.input_norm);
+        L.qkv.prepare(xt, hidden, B, in);
+        L.qkv.apply(in, head0 * D, head1 * D,
+                    L.qkv_bias.defined() ? L.qkv_bias.data_ptr<float>() : nullptr, false,
+                    qkv_out.data(), qkv_n);
         for (int64_t b = 0; b < B; b++) {
           float* row = qkv_out.data() + b * qkv_n;
           for (int64_t h = head0; h < head1; h++) {
             float* head = row + h * D;
             if (h < H + hkv) {
-              if (!q_norm.empty())  // Qwen3: RMSNorm per query and key head before RoPE
-                rms_norm_row(head, (h < H ? q_norm : k_norm)[l].data_ptr<float>(), D, eps, head);
+              if (L.q_norm.defined())  // Qwen3: RMSNorm per query and key head before RoPE
+                rms_norm_row(head, (h < H ? L.q_norm : L.k_norm).data_ptr<float>(), D, eps, head);
               rope.rotate(head, pos[b]);
             }
             if (h >= H) rope.store(head, slot[b], h - H);
@@ -231,21 +252,21 @@ struct DecodeStep : torch::CustomClassHolder {
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < att.items; w++)
-          att.run_item(w, caches[l].data_ptr(), sc, part.data(), buf);
+          att.run_item(w, L.cache.data_ptr(), sc, part.data(), buf);
         for (int64_t s = 0; s < B * att.kv_items; s++) att.merge(s, part.data(), attn_t);
-        o[l].prepare(attn_t, H * D, B, in);
-        o[l].apply(in, h0, h1, nullptr, true, x.data(), hidden);
+        L.o.prepare(attn_t, H * D, B, in);
+        L.o.apply(in, h0, h1, nullptr, true, x.data(), hidden);
 #pragma omp barrier
-        normed(post_norm[l]);
-        gate_up[l].prepare(xt, hidden, B, in);
-        gate_up[l].apply(in, i0, i1, nullptr, false, gu.data(), 2 * inter);
-        gate_up[l].apply(in, inter + i0, inter + i1, nullptr, false, gu.data(), 2 * inter);
+        normed(L.post_norm);
+        L.gate_up.prepare(xt, hidden, B, in);
+        L.gate_up.apply(in, i0, i1, nullptr, false, gu.data(), 2 * inter);
+        L.gate_up.apply(in, inter + i0, inter + i1, nullptr, false, gu.data(), 2 * inter);
         for (int64_t b = 0; b < B; b++)
           silu_and_mul_row(gu.data() + b * 2 * inter + i0, gu.data() + b * 2 * inter + inter + i0,
                            i1 - i0, act.data() + b * inter + i0);
 #pragma omp barrier
-        down[l].prepare(act.data(), inter, B, in);
-        down[l].apply(in, h0, h1, nullptr, true, x.data(), hidden);
+        L.down.prepare(act.data(), inter, B, in);
+        L.down.apply(in, h0, h1, nullptr, true, x.data(), hidden);
 #pragma omp barrier
       }
       normed(norm);

@@ -37,24 +37,20 @@ class DecodeStep:
     """Holds the model's weights and KV caches on the C++ side once."""
 
     def __init__(self, model: LlamaModel, kv_caches: list[KVCache], block_size: int) -> None:
-        layers = model.layers
-        args = [lin.step_args for lin in _matmuls(model)]
+        cfg = model.cfg
         self.max_batch = MAX_BATCH
         self.block_size = block_size
-        caches = [cache.kernel_args for cache in kv_caches]
-        lm_kind, lm_tensors = model.lm_head.step_args
-        self._step = torch.classes.tandem.DecodeStep(
-            model.embed, model.norm, lm_tensors, lm_kind, model.cfg.vocab_size, model.cos,
-            model.sin,
-            [layer.input_norm for layer in layers], [layer.post_norm for layer in layers],
-            [t for _, tensors in args for t in tensors],
-            [layer.qkv.bias for layer in layers if layer.qkv.bias is not None],
-            [layer.q_norm for layer in layers if layer.q_norm is not None],
-            [layer.k_norm for layer in layers if layer.k_norm is not None],
-            [cache for cache, _ in caches], [scale for _, scale in caches if scale is not None],
-            [kind for kind, _ in args], model.h, model.cfg.intermediate_size, block_size,
-            model.eps,
-        )
+        step = torch.classes.tandem.DecodeStep(
+            model.embed, model.norm, model.cos, model.sin, model.h, cfg.head_dim,
+            cfg.intermediate_size, block_size, model.eps)
+        kind, tensors = model.lm_head.step_args
+        step.set_lm_head(int(kind), *tensors, cfg.vocab_size)
+        for layer, cache in zip(model.layers, kv_caches):
+            args = [lin.step_args for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            step.add_layer(layer.input_norm, layer.post_norm, [int(k) for k, _ in args],
+                           [t for _, tensors in args for t in tensors], layer.qkv.bias,
+                           layer.q_norm, layer.k_norm, *cache.kernel_args)
+        self._step = step
 
     @classmethod
     def build(cls, model: LlamaModel, kv_caches: list[KVCache],

@@ -106,3 +106,38 @@ def test_unsupported_shapes_and_refusals_fall_back_to_the_per_op_path(tmp_path, 
     while engine.has_unfinished_requests():
         engine.step()
     assert len(req.output_token_ids) == 4
+
+
+def test_the_cpp_step_refuses_what_it_does_not_implement(tmp_path):
+    """Each part is checked as it is added: a RoPE narrower than the head (partial
+    rotary), a cache of other KV heads, a Q norm without a K norm, an unknown
+    weight kind, a step before the layers."""
+    hf_model("qwen3").save_pretrained(tmp_path)
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), skip_tokenizer_init=True,
+                                    kv_cache_memory="8MiB"))
+    model, cfg = engine.model, engine.model.cfg
+    layer, (cache, scale) = model.layers[0], engine.kv_caches[0].kernel_args
+    args = [lin.step_args for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    kinds, tensors = [int(k) for k, _ in args], [t for _, ts in args for t in ts]
+
+    def new(cos=model.cos, sin=model.sin):
+        return torch.classes.tandem.DecodeStep(model.embed, model.norm, cos, sin, model.h,
+                                               cfg.head_dim, cfg.intermediate_size, 16,
+                                               model.eps)
+
+    with pytest.raises(RuntimeError, match="cos"):
+        new(model.cos[:, : cfg.head_dim // 2].contiguous(), model.sin)
+    step = new()
+    with pytest.raises(RuntimeError, match="before the first step"):
+        step.forward(torch.tensor([[5, 0, 0]]), torch.zeros(1, 1, dtype=torch.int32))
+    step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
+                   layer.k_norm, cache, scale)  # what the model has: accepted
+    with pytest.raises(RuntimeError, match="kv heads"):
+        step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
+                       layer.k_norm, cache[:, :, :1].contiguous(), scale)
+    with pytest.raises(RuntimeError, match="Q and K norms"):
+        step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
+                       None, cache, scale)
+    with pytest.raises(RuntimeError, match="unknown weight kind"):
+        step.add_layer(layer.input_norm, layer.post_norm, [7, *kinds[1:]], tensors, None,
+                       layer.q_norm, layer.k_norm, cache, scale)
