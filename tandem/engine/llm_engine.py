@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine.block_manager import KVCacheManager
 from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.model_runner import ModelRunner, allocate_kv_caches
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Scheduler

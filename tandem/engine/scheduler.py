@@ -24,7 +24,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from tandem.engine.block_manager import KVCacheManager
+from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tandem.engine.block_manager import KVCacheManager, hash_block_tokens
+from tandem.engine.kv_cache_manager import KVCacheManager, hash_block_tokens
 from tandem.engine.request import Request
 from tandem.sampling_params import SamplingParams
 
