@@ -325,6 +325,20 @@ class Int4Linear(_QuantLinear):
 
 Linear = DenseLinear | Int8Linear | Int4Linear
 
+_DENSE_LEVELS = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def quantization_level(lin: Linear) -> str:
+    """The weight format as Ollama and llama.cpp name it: F32 / BF16 / F16, Q8_0
+    (int8 with a scale per group of 32), INT8 (a scale per output channel), Q4_1
+    (int4 with a scale and a minimum per group of 32: how tandem holds every
+    int4 weight, a Q4_0 file's included)."""
+    if isinstance(lin, Int8Linear):
+        return "INT8" if lin.group_scale is None else "Q8_0"
+    if isinstance(lin, Int4Linear):
+        return "Q4_1"
+    return _DENSE_LEVELS.get(lin.w.dtype, str(lin.w.dtype))
+
 
 def make_linear(
     w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None,

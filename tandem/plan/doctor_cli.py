@@ -34,7 +34,7 @@ DESCRIPTION = (
 )
 
 # Ollama's and tandem's quantization levels -> the planner's weight dtypes.
-_QUANT_LEVELS = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "Q8_0": "int8"}
+_QUANT_LEVELS = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "Q8_0": "int8", "INT8": "int8"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -12,17 +12,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from tandem.engine.llm_engine import LLMEngine
+from tandem.model.linear import quantization_level
 
-_FAMILIES = {
+_FAMILIES = {  # Ollama's family names (Mistral GGUFs are llama's architecture)
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
+    "Phi3ForCausalLM": "phi3",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-_QUANT = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 @dataclass
@@ -62,7 +61,7 @@ class ModelCard:
             format=fmt,
             parameter_count=parameter_count(cfg),
             size_bytes=weight_bytes(engine),
-            quantization_level=_QUANT.get(engine.dtype, str(engine.dtype)),
+            quantization_level=served_quantization(engine),
             device=engine.device.type,
             chat_template=tok.chat_template if tok is not None else None,
         )
@@ -130,6 +129,17 @@ def parameter_count(cfg) -> int:
     embed = v * h
     head = 0 if cfg.tie_word_embeddings else v * h
     return embed + cfg.num_hidden_layers * per_layer + h + head
+
+
+def served_quantization(engine: LLMEngine) -> str:
+    """The format holding most of the layer matmuls' bytes, as served (a Q4_K_M
+    file's few Q6_K matrices run as int8 beside its int4 majority)."""
+    by_level: dict[str, int] = {}
+    for layer in engine.model.layers:
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            level = quantization_level(lin)
+            by_level[level] = by_level.get(level, 0) + lin.nbytes
+    return max(by_level, key=by_level.__getitem__)
 
 
 def weight_bytes(engine: LLMEngine) -> int:

@@ -10,6 +10,7 @@ from tandem.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.model.linear import DenseLinear, Int4Linear, Int8Linear
 from tandem.sampling_params import SamplingParams
+from tandem.server.model_card import served_quantization
 
 from ..unit.test_gguf import _write_tiny_gguf
 from .cpu_paths import CPU_PATHS, cpu_path
@@ -53,6 +54,8 @@ def test_gguf_formats_run_as_stored_and_agree_on_every_path(tmp_path, qtype):
     engine, hf = _engine_and_hf(tmp_path, _mixed if qtype == "mixed" else qtype)
     m = engine.model
     layer = m.layers[0]
+    # What /api/show reports: the format of most of the layer bytes, as served.
+    assert served_quantization(engine) == {"Q4_0": "Q4_1", "Q8_0": "Q8_0", "mixed": "Q4_1"}[qtype]
     if qtype == "mixed":
         assert isinstance(layer.qkv, Int8Linear) and isinstance(layer.o, Int4Linear)
         assert isinstance(layer.gate_up, Int4Linear) and isinstance(layer.down, Int8Linear)

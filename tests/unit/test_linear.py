@@ -12,6 +12,7 @@ from tandem.model.linear import (
     Int8Linear,
     QuantizedWeight,
     make_linear,
+    quantization_level,
     quantize_activations,
     quantize_int4,
     quantize_int8_groups,
@@ -120,3 +121,12 @@ def test_bad_choices():
         Int4Linear(w)
     with pytest.raises(ValueError, match="fp3"):
         make_linear(w, quantization="fp3")
+
+
+def test_quantization_levels_use_llama_cpps_names():
+    w, _ = weights()
+    assert quantization_level(DenseLinear(w)) == "F32"
+    assert quantization_level(DenseLinear(w.bfloat16())) == "BF16"
+    assert quantization_level(Int8Linear(w)) == "INT8"
+    assert quantization_level(Int8Linear(quantize_int8_groups(w))) == "Q8_0"
+    assert quantization_level(Int4Linear(w)) == "Q4_1"
