@@ -63,7 +63,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
                    action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of shared prompt prefixes (default on)")
-    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--threads", "--num-threads", dest="num_threads", type=int, default=None,
+                   help="CPU threads for the model (default: the cores this process may use, "
+                        "from its affinity mask and cgroup CPU quota; `tandem serve` then "
+                        "uses fewer while other processes keep CPUs busy; a number fixes it)")
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
 
 

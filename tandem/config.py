@@ -6,8 +6,11 @@ flag; the engine's internals may then rely on these invariants.
 
 from __future__ import annotations
 
+import math
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 # Weight formats of the layer matmuls (tandem.model.linear; "auto" is
 # tandem.model.loader.fuse_weights' rule for a GGUF's own formats).
@@ -39,6 +42,79 @@ def parse_bytes(value: str | int | float) -> int:
     return n
 
 
+def available_cpus() -> int:
+    """CPUs this process can actually use: its affinity mask (taskset, cpusets),
+    capped by a cgroup CPU quota (docker --cpus, Kubernetes limits).
+
+    OpenMP and torch count the affinity mask only. A quota is rounded down: 2
+    threads under a 1.5-CPU quota are throttled for part of every period, which
+    stalls every stream, while 1 thread never is.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    if quota is not None:
+        cpus = min(cpus, max(1, math.floor(quota)))
+    return cpus
+
+
+def default_threads() -> int:
+    """The model's CPU threads when not given: torch's count (the physical cores of
+    the affinity mask, or what the caller set with torch.set_num_threads) capped
+    by available_cpus, which alone sees a cgroup quota."""
+    import torch
+
+    return max(1, min(torch.get_num_threads(), available_cpus()))
+
+
+def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"),
+                     self_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+    """The tightest CPU quota (in CPUs) on this process's cgroup and its ancestors,
+    v2 (cpu.max) or v1 (cpu.cfs_quota_us / cpu.cfs_period_us); None if unlimited."""
+    try:
+        lines = self_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: the unified hierarchy (under unified/ on hybrid hosts)
+            base = root if (root / "cgroup.controllers").exists() else root / "unified"
+            files = ("cpu.max",)
+        elif "cpu" in controllers.split(","):
+            base = next((root / d for d in (controllers, "cpu", "cpu,cpuacct")
+                         if (root / d).is_dir()), None)
+            if base is None:
+                continue
+            files = ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        else:
+            continue
+        d = base / path.lstrip("/")
+        while True:
+            quota = _read_quota(d, files)
+            if quota is not None:
+                quotas.append(quota)
+            if d == base or base not in d.parents:
+                break
+            d = d.parent
+    return min(quotas) if quotas else None
+
+
+def _read_quota(d: Path, files: tuple[str, ...]) -> float | None:
+    try:
+        if len(files) == 1:  # "max 100000" or "150000 100000"
+            quota, period = (d / files[0]).read_text().split()[:2]
+        else:
+            quota, period = ((d / f).read_text().strip() for f in files)
+    except (OSError, ValueError):
+        return None
+    if quota in ("max", "-1") or int(period) <= 0:
+        return None
+    return int(quota) / int(period)
+
+
 @dataclass
 class EngineConfig:
     """Model, cache and scheduler settings (vLLM's flag names, snake_cased).
@@ -50,6 +126,9 @@ class EngineConfig:
     max_num_batched_tokens: the per-step token budget. Small protects
         inter-token latency (a prefill chunk delays every stream by its cost),
         large protects time to first token. None picks a device default.
+    num_threads: CPU threads for the model's parallel ops; None =
+        default_threads(), and adaptive_threads: the serving engine uses fewer
+        while other processes take CPUs.
     """
 
     model: str | None = None
@@ -70,6 +149,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     num_threads: int | None = None
+    # None: when num_threads is not given (AsyncEngine's ThreadTuner)
+    adaptive_threads: bool | None = None
     skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:
@@ -108,5 +189,9 @@ class EngineConfig:
             raise ValueError(
                 f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
+        if self.adaptive_threads is None:
+            self.adaptive_threads = self.num_threads is None
+        if self.num_threads is None:
+            self.num_threads = default_threads()
+        elif self.num_threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.num_threads}")

@@ -18,9 +18,12 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Sequence
 
+import torch
+
 from tandem.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.request import Request
+from tandem.engine.thread_tuner import ThreadTuner
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 
@@ -48,6 +51,7 @@ class AsyncEngine:
         # request id -> (event loop, queue) of the awaiting caller
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
+        self.tuner: ThreadTuner | None = None  # CPU threads adapted to what is free
         self.engine: LLMEngine = engine  # type: ignore[assignment]
         built = threading.Event()
         failure: list[BaseException] = []
@@ -119,6 +123,13 @@ class AsyncEngine:
         return len(self._new)
 
     @property
+    def num_threads(self) -> int | None:
+        """The CPU threads a step runs on now (None on a GPU)."""
+        if self.engine.device.type != "cpu":
+            return None
+        return self.tuner.threads if self.tuner is not None else self.engine.config.num_threads
+
+    @property
     def dead(self) -> bool:
         """True once the step loop has stopped (shut down or crashed): /health turns 503."""
         return self._stopped or not self._thread.is_alive()
@@ -141,6 +152,9 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         engine = self.engine
+        if engine.device.type == "cpu" and engine.config.adaptive_threads:
+            self.tuner = ThreadTuner(engine.config.num_threads, torch.set_num_threads)
+        step = self.tuner.step if self.tuner is not None else (lambda run: run())
         while True:
             with self._cond:
                 while not (self._stopped or self._new or self._aborts
@@ -157,7 +171,7 @@ class AsyncEngine:
                 with self._cond:
                     self._streams.pop(rid, None)
             try:
-                outputs = engine.step()
+                outputs = step(engine.step)
             except Exception as e:  # fail what is in flight, keep serving new requests
                 logger.exception("engine step failed")
                 for rid in list(engine.requests):

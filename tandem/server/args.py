@@ -27,3 +27,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "with a bare config.json)")
     g.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="do not log one line per HTTP request")
+    g.add_argument("--generation-config", default="auto", metavar="{auto,vllm,DIR}",
+                   help="sampling defaults for fields a request leaves out: auto = the "
+                        "model's generation_config.json or GGUF sampling metadata, else "
+                        "temperature 0.8, top_k 40, top_p 0.9; vllm = none (temperature 1); "
+                        "DIR = the generation_config.json in DIR (default auto)")
+    g.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="sampling defaults over those, e.g. '{\"temperature\": 0.5}' (keys: "
+                        "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)")

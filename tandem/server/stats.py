@@ -47,6 +47,8 @@ class StatsLogger:
             f"KV cache usage: {100 * e.kv_manager.usage:.1f}%, "
             f"Prefix cache hit rate: {hit:.1f}%, Preemptions: {sched.num_preemptions}"
         )
+        if self.engine.num_threads is not None:
+            text += f", CPU threads: {self.engine.num_threads}"
         return text, bool(p1 - p0 or g1 - g0 or running or waiting)
 
     async def run(self) -> None:
