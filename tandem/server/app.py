@@ -11,19 +11,23 @@ import asyncio
 import contextlib
 import logging
 import threading
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import State
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem import __version__
 from tandem.engine.async_engine import AsyncEngine
-from tandem.server import ollama, openai
+from tandem.server import defaults, ollama, openai
 from tandem.server.admission import Admission
 from tandem.server.errors import APIError
 from tandem.server.metrics import ServerMetrics
@@ -46,6 +50,9 @@ class ServerConfig:
     max_queue: requests allowed to wait beyond the running batch before new
         ones get 503 + Retry-After; None = max_num_seqs (one batch's worth:
         a waiting request starts within about one reply's time).
+    generation_config, override_generation_config: where sampling defaults
+        come from (see tandem.server.defaults; the override as checked by
+        defaults.parse_override).
     """
 
     served_model_names: list[str] | None = None
@@ -53,6 +60,8 @@ class ServerConfig:
     max_queue: int | None = None
     max_body_bytes: int = 16 * 2**20
     stats_interval_s: float = 10.0
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
 
 
 def build_app(engine: AsyncEngine | Loader, config: ServerConfig | None = None) -> FastAPI:
@@ -89,6 +98,7 @@ def build_app(engine: AsyncEngine | Loader, config: ServerConfig | None = None) 
     if isinstance(engine, AsyncEngine):
         app.state.tandem = _server_state(engine, config)
     app.add_middleware(_UntilReady, app_state=app.state)
+    app.add_middleware(_NoUnhandledErrors)
     app.include_router(openai.router)
     app.include_router(ollama.public)
     app.include_router(ollama.router)
@@ -123,6 +133,9 @@ def _server_state(engine: AsyncEngine, config: ServerConfig) -> ServerState:
         metrics=ServerMetrics(engine, card.name),
         api_key=config.api_key or None,
         max_body_bytes=config.max_body_bytes,
+        defaults=defaults.resolve(config.generation_config, config.override_generation_config,
+                                  llm.model_dir, Path(card.root) if card.format == "gguf"
+                                  else None),
     )
 
 
@@ -138,6 +151,9 @@ async def _when_loaded(app: FastAPI, engine: AsyncEngine | Loader, config: Serve
     logger.info("serving %s (max_model_len %d, max_num_seqs %d, max_queue %d)",
                 state.card.name, state.card.max_model_len,
                 state.engine.engine.config.max_num_seqs, state.admission.max_queue)
+    logger.info("sampling defaults for fields a request leaves out: %s; max_tokens: until "
+                "the model stops or the context is full (chat, /api/*), %d (/v1/completions)",
+                state.defaults.describe(), openai.COMPLETIONS_DEFAULT_MAX_TOKENS)
     await StatsLogger(state.engine, config.stats_interval_s).run()
 
 
@@ -209,11 +225,47 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, err: StarletteHTTPException) -> Response:
         return _render(request, APIError(err.status_code, str(err.detail)))
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, err: Exception) -> Response:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return _render(request, APIError(500, f"internal server error ({type(err).__name__})",
-                                         code="internal_error"))
+
+class _NoUnhandledErrors:
+    """ASGI middleware: an exception no handler turned into an APIError becomes a 500
+    in the route's API shape, logged on one line, and the connection stays open.
+
+    Starlette's own last-resort handler re-raises after answering, so uvicorn logs
+    a full traceback and closes the keep-alive connection under the client's next
+    request. If the response had started (a stream), its body is ended cleanly
+    instead. A client that left mid-upload needs no answer at all.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = ended = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started, ended
+            started = started or message["type"] == "http.response.start"
+            ended = ended or (message["type"] == "http.response.body"
+                              and not message.get("more_body", False))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except ClientDisconnect:
+            return
+        except Exception as e:
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            logger.error("unhandled %s on %s %s: %s (%s:%d)", type(e).__name__,
+                         scope["method"], scope["path"], e, frame.filename, frame.lineno)
+            if not started:
+                err = APIError(500, f"internal server error ({type(e).__name__})",
+                               code="internal_error")
+                await _render(Request(scope), err)(scope, receive, send)
+            elif not ended:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 # -------------------------------------------------------------------- CLI
@@ -225,6 +277,8 @@ def serve(args, engine_config) -> int:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.stats_interval <= 0:
         raise ValueError(f"--stats-interval must be positive, got {args.stats_interval}")
+    generation_config = defaults.check_mode(args.generation_config)
+    override = defaults.parse_override(args.override_generation_config)
 
     def load() -> AsyncEngine:
         engine = AsyncEngine(engine_config)
@@ -234,6 +288,7 @@ def serve(args, engine_config) -> int:
     return run_server(load, ServerConfig(
         served_model_names=args.served_model_name, api_key=args.api_key,
         max_queue=args.max_queue, stats_interval_s=args.stats_interval,
+        generation_config=generation_config, override_generation_config=override,
     ), host=args.host, port=args.port, access_log=args.access_log)
 
 

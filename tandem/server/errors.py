@@ -45,7 +45,8 @@ class APIError(Exception):
     def openai_body(self) -> dict:
         return {"error": {
             "message": self.message,
-            "type": self.error_type or _OPENAI_TYPES.get(self.status, "server_error"),
+            "type": self.error_type or _OPENAI_TYPES.get(
+                self.status, "invalid_request_error" if self.status < 500 else "server_error"),
             "param": self.param,
             "code": self.code if self.code is not None else self.status,
         }}

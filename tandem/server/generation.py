@@ -31,13 +31,25 @@ from tandem.server.state import ServerState
 logger = logging.getLogger("tandem.server")
 
 
-def make_sampling_params(state: ServerState, **kwargs) -> SamplingParams:
-    """SamplingParams from API fields (None = default), or a 400 naming the field.
+INT64 = (-(2**63), 2**63 - 1)  # OpenAI's seed range (torch takes up to 2**64 - 1 for seed + i)
+# Stop strings and ids are checked at every generated token: bounded, like the
+# rest of the work one request can cause (OpenAI allows 4 stop strings).
+MAX_STOPS = 64
+MAX_STOP_CHARS = 1024
 
-    The model's extra end-of-generation ids (e.g. <|endoftext|> besides
-    <|im_end|>) become stop ids, as vLLM does with generation_config.json.
+
+def make_sampling_params(state: ServerState, max_tokens: int | None, **given) -> SamplingParams:
+    """SamplingParams from API fields, or a 400 naming the field.
+
+    A field left out (None) gets the server's sampling default (see
+    tandem.server.defaults); ``max_tokens`` is always explicit, None meaning
+    until the model stops or the context is full. The model's extra
+    end-of-generation ids (e.g. <|endoftext|> besides <|im_end|>) become stop
+    ids, as vLLM does with generation_config.json.
     """
-    fields = {k: v for k, v in kwargs.items() if v is not None}
+    fields = state.defaults.apply(given)
+    fields["max_tokens"] = max_tokens
+    _check_bounds(state, fields)
     if state.has_tokenizer and not fields.get("ignore_eos"):
         tok = state.tokenizer
         extra = [t for t in tok.stop_token_ids if t != tok.eos_token_id]
@@ -47,6 +59,43 @@ def make_sampling_params(state: ServerState, **kwargs) -> SamplingParams:
         return SamplingParams(**fields)
     except ValueError as e:
         raise APIError(400, str(e)) from None
+
+
+def _check_bounds(state: ServerState, fields: dict) -> None:
+    """The ranges SamplingParams leaves open, which a server must close."""
+    seed = fields.get("seed")
+    if isinstance(seed, int) and not INT64[0] <= seed <= INT64[1]:
+        raise APIError(400, f"seed must be a 64-bit signed integer (-2**63 to 2**63-1), "
+                            f"got {seed}", param="seed")
+    min_tokens = fields.get("min_tokens")
+    if isinstance(min_tokens, int) and min_tokens > state.card.max_model_len:
+        raise APIError(400, f"min_tokens ({min_tokens}) exceeds the context window of "
+                            f"{state.card.max_model_len} tokens", param="min_tokens")
+    stop = fields.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    ids = fields.get("stop_token_ids")
+    ids = ids if isinstance(ids, list) else []
+    for name, values in (("stop", stops), ("stop_token_ids", ids)):
+        if len(values) > MAX_STOPS:
+            raise APIError(400, f"at most {MAX_STOPS} stop strings and {MAX_STOPS} stop token "
+                                f"ids, got {len(values)} in {name}", param=name)
+    if any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in stops):
+        raise APIError(400, f"stop strings may have at most {MAX_STOP_CHARS} characters",
+                       param="stop")
+    vocab = state.engine.engine.model_config.vocab_size
+    bad = [t for t in ids if isinstance(t, int) and not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"stop_token_ids: {bad[0]} is outside the vocabulary "
+                            f"[0, {vocab})", param="stop_token_ids")
+
+
+def open_ended_max_tokens(state: ServerState, prompt_len: int, window: int | None = None
+                          ) -> int | None:
+    """max_tokens for a chat or Ollama request that sets no limit: None (until the
+    model stops or the context window is full) under the model's max_new_tokens."""
+    cap = state.defaults.values.get("max_tokens")
+    room = (window or state.card.max_model_len) - prompt_len
+    return None if cap is None or room < 1 else min(cap, room)
 
 
 def fan_out(params: SamplingParams) -> list[SamplingParams]:
@@ -117,7 +166,7 @@ class Generation:
             raise
         if self._error is not None:
             self.close()
-            raise _api_error(self._error)
+            raise to_api_error(self._error)
         return self
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -125,7 +174,7 @@ class Generation:
         while remaining:
             index, item = await self._queue.get()
             if isinstance(item, BaseException):
-                raise _api_error(item)
+                raise to_api_error(item)
             if item.finished:
                 remaining -= 1
             yield index, item
@@ -215,7 +264,9 @@ def log_finished(request_id: str, out: RequestOutput) -> None:
     )
 
 
-def _api_error(e: BaseException) -> APIError:
+def to_api_error(e: BaseException) -> APIError:
+    """What a client is told about an exception; one that is no one's fault but the
+    server's is logged (one line) and reported as a 500."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, ValueError):
@@ -223,4 +274,5 @@ def _api_error(e: BaseException) -> APIError:
     if isinstance(e, EngineDeadError):  # a failed step, or the engine shut down
         return APIError(503, f"the engine could not run this request: {e}",
                         code="engine_unavailable")
+    logger.error("request failed: %s: %s", type(e).__name__, e)
     return APIError(500, f"internal error: {type(e).__name__}", code="internal_error")

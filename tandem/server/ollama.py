@@ -31,23 +31,24 @@ from tandem import __version__
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.server.auth import require_api_key
-from tandem.server.errors import APIError, bad_request
-from tandem.server.generation import Generation, make_sampling_params
+from tandem.server.errors import bad_request
+from tandem.server.generation import (
+    Generation,
+    make_sampling_params,
+    open_ended_max_tokens,
+    to_api_error,
+)
 from tandem.server.protocol import (
     OllamaChatRequest,
     OllamaGenerateRequest,
     OllamaOptions,
     OllamaShowRequest,
-    parse_body,
-    read_json,
 )
 from tandem.server.state import ServerState
 from tandem.server.streaming import ClosingStreamingResponse, unless_disconnected
 
 # The Ollama API level these endpoints follow; clients gate features on it.
 OLLAMA_API_VERSION = "0.6.0"
-# Ollama's sampling defaults, so an Ollama client gets the behaviour it expects.
-OLLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
 NEVER = "9999-12-31T23:59:59Z"  # keep_alive forever: the model is never unloaded
 
 public = APIRouter()
@@ -111,7 +112,7 @@ async def ps(request: Request) -> dict:
 @router.post("/api/show")
 async def show(request: Request) -> dict:
     state = _state(request)
-    req = parse_body(OllamaShowRequest, await read_json(request, state.max_body_bytes))
+    req = await state.read(request, OllamaShowRequest)
     name = req.model or req.name
     if not name:
         raise bad_request("model is required", "model")
@@ -119,10 +120,13 @@ async def show(request: Request) -> dict:
     c = state.card
     cfg = state.engine.engine.model_config
     arch = c.family
+    params = [f"num_ctx {c.max_model_len}", *state.defaults.ollama_parameters()]
     return {
         "license": "",
-        "modelfile": f"# served by tandem {__version__}\nFROM {c.root}\n",
-        "parameters": f"num_ctx {c.max_model_len}",
+        "modelfile": "".join([f"# served by tandem {__version__}\nFROM {c.root}\n",
+                              f"# sampling defaults: {state.defaults.describe()}\n",
+                              *(f"PARAMETER {p}\n" for p in params)]),
+        "parameters": "\n".join(params),
         "template": c.chat_template or "{{ .Prompt }}",
         "details": _details(state),
         "model_info": {
@@ -144,7 +148,7 @@ async def show(request: Request) -> dict:
 async def generate(request: Request):
     t0 = time.monotonic()
     state = _state(request)
-    req = parse_body(OllamaGenerateRequest, await read_json(request, state.max_body_bytes))
+    req = await state.read(request, OllamaGenerateRequest)
     model = _check_common(state, req)
     if req.images:
         raise bad_request("images are not supported")
@@ -159,17 +163,13 @@ async def generate(request: Request):
     ids = list(req.context or [])
     prompt = req.prompt or ""
     if prompt:
-        tok = state.tokenizer
-        if req.raw or not tok.chat_template:
-            ids += tok.encode(prompt)
+        if req.raw or not state.tokenizer.chat_template:
+            ids += (await state.encode([prompt], "prompt"))[0]
         else:
             messages = [{"role": "user", "content": prompt}]
             if req.system:
                 messages.insert(0, {"role": "system", "content": req.system})
-            try:
-                ids += tok.apply_chat_template(messages)
-            except ValueError as e:
-                raise bad_request(str(e)) from None
+            ids += await state.chat_ids(messages)
     return await _run(request, state, req, model, ids, t0, chat=False)
 
 
@@ -177,7 +177,7 @@ async def generate(request: Request):
 async def chat(request: Request):
     t0 = time.monotonic()
     state = _state(request)
-    req = parse_body(OllamaChatRequest, await read_json(request, state.max_body_bytes))
+    req = await state.read(request, OllamaChatRequest)
     model = _check_common(state, req)
     if req.tools:
         raise bad_request("tool calling is not supported")
@@ -190,10 +190,7 @@ async def chat(request: Request):
         if m.images:
             raise bad_request(f"messages[{i}]: images are not supported")
         messages.append({"role": m.role, "content": m.content or ""})
-    try:
-        ids = state.tokenizer.apply_chat_template(messages)
-    except ValueError as e:
-        raise bad_request(str(e)) from None
+    ids = await state.chat_ids(messages)
     return await _run(request, state, req, model, ids, t0, chat=True)
 
 
@@ -222,7 +219,9 @@ def _params(state: ServerState, opts: OllamaOptions | None, prompt_len: int,
             raise bad_request(f"num_ctx must be positive, got {o.num_ctx}")
         window = o.num_ctx
     max_tokens = o.num_predict
-    if max_tokens is not None and max_tokens < 0:
+    if max_tokens is None:
+        max_tokens = open_ended_max_tokens(state, prompt_len, window)
+    elif max_tokens < 0:
         if max_tokens not in (-1, -2):
             raise bad_request(f"num_predict must be -1, -2 or positive, got {max_tokens}")
         max_tokens = None  # -1: until the model stops; -2: until the context is full
@@ -237,10 +236,7 @@ def _params(state: ServerState, opts: OllamaOptions | None, prompt_len: int,
         if max_tokens is None:
             max_tokens = window - prompt_len
     return make_sampling_params(
-        state, max_tokens=max_tokens,
-        temperature=o.temperature if o.temperature is not None else OLLAMA_DEFAULTS["temperature"],
-        top_k=o.top_k if o.top_k is not None else OLLAMA_DEFAULTS["top_k"],
-        top_p=o.top_p if o.top_p is not None else OLLAMA_DEFAULTS["top_p"],
+        state, max_tokens, temperature=o.temperature, top_k=o.top_k, top_p=o.top_p,
         min_p=o.min_p, seed=o.seed, stop=o.stop, repetition_penalty=o.repeat_penalty,
         presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
         logprobs=logprobs,
@@ -332,8 +328,8 @@ class _View:
                 if out.finished:
                     obj = self._finish(obj, out)
                 yield _line(obj)
-        except APIError as e:
-            yield _line(e.ollama_body())
+        except Exception as e:  # after the 200 went out: an error object ends the stream
+            yield _line(to_api_error(e).ollama_body())
 
 
 def _ns(seconds: float) -> int:

@@ -22,8 +22,14 @@ from fastapi.responses import JSONResponse
 from tandem.outputs import RequestMetrics, RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.server.auth import require_api_key
-from tandem.server.errors import APIError, bad_request
-from tandem.server.generation import Generation, fan_out, make_sampling_params
+from tandem.server.errors import bad_request
+from tandem.server.generation import (
+    Generation,
+    fan_out,
+    make_sampling_params,
+    open_ended_max_tokens,
+    to_api_error,
+)
 from tandem.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -31,12 +37,9 @@ from tandem.server.protocol import (
     DetokenizeRequest,
     TextPart,
     TokenizeRequest,
-    parse_body,
-    read_json,
 )
 from tandem.server.state import ServerState
 from tandem.server.streaming import ClosingStreamingResponse, unless_disconnected
-from tandem.tokenizer import Tokenizer
 
 CompletionPrompt = str | list[str] | list[int] | list[list[int]]
 MAX_LOGPROBS = 20
@@ -77,35 +80,35 @@ async def get_model(model: str, request: Request) -> dict:
 @router.post("/tokenize")
 async def tokenize(request: Request) -> dict:
     state = _state(request)
-    req = parse_body(TokenizeRequest, await read_json(request, state.max_body_bytes))
+    req = await state.read(request, TokenizeRequest)
     state.check_model(req.model)
-    tok = state.tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("send either 'prompt' or 'messages'", "prompt")
     if req.messages is not None:
-        ids = _chat_ids(tok, req.messages, req.add_generation_prompt)
+        ids = await _chat_ids(state, req.messages, req.add_generation_prompt)
     else:
-        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        ids = (await state.encode([req.prompt], "prompt", req.add_special_tokens))[0]
     return {"count": len(ids), "max_model_len": state.card.max_model_len, "tokens": ids}
 
 
 @router.post("/detokenize")
 async def detokenize(request: Request) -> dict:
     state = _state(request)
-    req = parse_body(DetokenizeRequest, await read_json(request, state.max_body_bytes))
+    req = await state.read(request, DetokenizeRequest, state.max_text_chars)
     state.check_model(req.model)
+    tok = state.tokenizer
     vocab = state.engine.engine.model_config.vocab_size
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
         raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
-    return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+    return {"prompt": await state.off_loop(tok.decode, req.tokens, False)}
 
 
 # ------------------------------------------------------------ completions
 @router.post("/v1/completions")
 async def completions(request: Request):
     state = _state(request)
-    req = parse_body(CompletionRequest, await read_json(request, state.max_body_bytes))
+    req = await state.read(request, CompletionRequest)
     state.check_model(req.model)
     if req.suffix:
         raise bad_request("suffix (fill-in-the-middle) is not supported", "suffix")
@@ -115,11 +118,14 @@ async def completions(request: Request):
         raise bad_request("echo with logprobs needs prompt logprobs, which tandem does not "
                           "compute", "echo")
     _check_logprobs(req.logprobs, "logprobs")
-    prompts = _completion_prompts(state, req.prompt)
+    batch = isinstance(req.prompt, list) and bool(req.prompt) and \
+        not isinstance(req.prompt[0], int)
+    state.check_fan_out(req.n, len(req.prompt) if batch else 1)
     params = _params(state, req, req.max_tokens if req.max_tokens is not None
                      else COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs)
+    prompts = await _completion_prompts(state, req.prompt)
     per_prompt = fan_out(params)
-    echo = [_echo_text(state, req.prompt, ids, i) if req.echo else "" for i, ids in
+    echo = [await _echo_text(state, req.prompt, ids, i) if req.echo else "" for i, ids in
             enumerate(prompts)]
     gen = Generation(state, state.new_id("cmpl"), [ids for ids in prompts for _ in per_prompt],
                      per_prompt * len(prompts))
@@ -135,32 +141,31 @@ async def completions(request: Request):
     return JSONResponse(view.completion_response(outs, echo))
 
 
-def _completion_prompts(state: ServerState, prompt: CompletionPrompt) -> list[list[int]]:
+async def _completion_prompts(state: ServerState, prompt: CompletionPrompt) -> list[list[int]]:
     """The four OpenAI prompt forms: str, [str], [int], [[int]] -> token id lists."""
-    if isinstance(prompt, str):
-        return [state.tokenizer.encode(prompt)]
-    if not prompt:
+    if isinstance(prompt, list) and not prompt:
         raise bad_request("prompt must not be an empty list", "prompt")
+    if isinstance(prompt, str) or isinstance(prompt[0], str):
+        return await state.encode([prompt] if isinstance(prompt, str) else prompt, "prompt")
     if isinstance(prompt[0], int):
         return [list(prompt)]
-    if isinstance(prompt[0], str):
-        return [state.tokenizer.encode(p) for p in prompt]
     return [list(p) for p in prompt]
 
 
-def _echo_text(state: ServerState, prompt: CompletionPrompt, ids: list[int], i: int) -> str:
+async def _echo_text(state: ServerState, prompt: CompletionPrompt, ids: list[int], i: int
+                     ) -> str:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         return prompt[i]
-    return state.tokenizer.decode(ids) if state.has_tokenizer else ""
+    return await state.off_loop(state.tokenizer.decode, ids) if state.has_tokenizer else ""
 
 
 # ------------------------------------------------------------------- chat
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     state = _state(request)
-    req = parse_body(ChatCompletionRequest, await read_json(request, state.max_body_bytes))
+    req = await state.read(request, ChatCompletionRequest)
     state.check_model(req.model)
     if req.tools or req.functions:
         raise bad_request("tool calling is not supported", "tools")
@@ -170,9 +175,12 @@ async def chat_completions(request: Request):
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     _check_logprobs(req.top_logprobs, "top_logprobs")
-    ids = _chat_ids(state.tokenizer, req.messages, req.add_generation_prompt)
+    state.check_fan_out(req.n)
+    ids = await _chat_ids(state, req.messages, req.add_generation_prompt)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
+    if max_tokens is None:
+        max_tokens = open_ended_max_tokens(state, len(ids))
     params = _params(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     per_choice = fan_out(params)
     gen = Generation(state, state.new_id("chatcmpl"), [ids] * len(per_choice), per_choice)
@@ -203,16 +211,19 @@ def flatten_content(content: str | list[TextPart] | None, where: str) -> str:
     return "\n".join(texts)
 
 
-def _chat_ids(tok: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool
-              ) -> list[int]:
+async def _chat_ids(state: ServerState, messages: list[ChatMessage],
+                    add_generation_prompt: bool) -> list[int]:
+    """The chat template's token ids, rendered and encoded in a tokenizer thread.
+
+    OpenAI's "developer" role is its newer name for "system", which is what
+    chat templates know.
+    """
     if not messages:
         raise bad_request("messages must not be empty", "messages")
-    flat = [{"role": m.role, "content": flatten_content(m.content, f"messages[{i}]")}
+    flat = [{"role": "system" if m.role == "developer" else m.role,
+             "content": flatten_content(m.content, f"messages[{i}]")}
             for i, m in enumerate(messages)]
-    try:
-        return tok.apply_chat_template(flat, add_generation_prompt=add_generation_prompt)
-    except ValueError as e:
-        raise bad_request(str(e), "messages") from None
+    return await state.chat_ids(flat, add_generation_prompt)
 
 
 # ---------------------------------------------------------------- helpers
@@ -226,7 +237,7 @@ def _params(state: ServerState, req: CompletionRequest | ChatCompletionRequest,
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     return make_sampling_params(
-        state, n=req.n, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+        state, max_tokens, n=req.n, temperature=req.temperature, top_p=req.top_p,
         top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop,
         stop_token_ids=req.stop_token_ids, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
@@ -241,8 +252,8 @@ def _sse(gen: Generation, chunks: AsyncIterator[dict]) -> ClosingStreamingRespon
         try:
             async for chunk in chunks:
                 yield _event(chunk)
-        except APIError as e:  # after the 200 went out: an error event, then [DONE]
-            yield _event(e.openai_body())
+        except Exception as e:  # after the 200 went out: an error event, then [DONE]
+            yield _event(to_api_error(e).openai_body())
         yield b"data: [DONE]\n\n"
 
     return ClosingStreamingResponse(body(), gen.close, media_type="text/event-stream",

@@ -2,14 +2,80 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import http.client
+import json
+import logging
 import socket
+import threading
+import time
 
 import httpx
 import pytest
 
+from tandem.server.state import ServerState
+from tests.server.conftest import tiny_engine
+
 CHAT = [{"role": "user", "content": "hi"}]
+DEEP = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+LONE = "a\ud800b"  # a lone surrogate: valid JSON ("\\ud800"), not valid Unicode
+POST_ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+               "/api/generate", "/api/chat", "/api/show"]
+OLLAMA = {"model": "smollm2", "prompt": "hi", "stream": False}
 
 CASES = [
+    *((path, DEEP, 400, "nested too deeply") for path in POST_ROUTES),
+    ("/v1/chat/completions", {"model": LONE, "messages": CHAT}, 400, "model contains a lone"),
+    ("/v1/completions", {"prompt": LONE}, 400, "prompt contains a lone"),
+    ("/v1/completions", {"prompt": ["ok", LONE]}, 400, "prompt[1] contains a lone"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONE}]}, 400,
+     "messages[0].content contains a lone"),
+    ("/v1/chat/completions", {"messages": CHAT, "stop": [LONE]}, 400, "stop[0]"),
+    ("/v1/chat/completions", {"messages": CHAT, LONE: 1}, 400, "a\\ud800b contains a lone"),
+    ("/tokenize", {"prompt": LONE}, 400, "prompt contains a lone"),
+    ("/api/generate", {**OLLAMA, "system": LONE}, 400, "system contains a lone"),
+    ("/api/generate", {**OLLAMA, "prompt": LONE}, 400, "prompt contains a lone"),
+    ("/api/chat", {"model": "smollm2", "messages": [{"role": "user", "content": LONE}]}, 400,
+     "messages[0].content contains a lone"),
+    ("/api/show", {"model": LONE}, 400, "model contains a lone"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 129, "max_tokens": 1}, 400,
+     "must be at most 128"),
+    ("/v1/completions", {"prompt": ["a"] * 100, "n": 2, "max_tokens": 1}, 400,
+     "n x prompts (2 x 100) must be at most 128"),
+    ("/v1/chat/completions", {"messages": CHAT, "seed": 2**64}, 400, "seed must be a 64-bit"),
+    ("/v1/completions", {"prompt": "hi", "seed": -(2**63) - 1}, 400, "seed must be a 64-bit"),
+    ("/api/generate", {**OLLAMA, "options": {"seed": 2**64}}, 400, "seed must be a 64-bit"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400,
+     "messages.0.role"),
+    ("/tokenize", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2**70}, 400, "context length"),
+    ("/v1/chat/completions", {"messages": CHAT, "min_tokens": 2**70}, 400,
+     "min_tokens (1180591620717411303424) exceeds"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**70]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 2**70}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": [[2**70]]}, 400, "vocabulary"),
+    ("/v1/completions", {"prompt": [-1]}, 400, "vocabulary"),
+    ("/detokenize", {"tokens": [2**70]}, 400, "vocabulary"),
+    ("/api/generate", {**OLLAMA, "options": {"num_ctx": 2**70}}, 400, "num_ctx"),
+    ("/api/generate", {**OLLAMA, "options": {"num_predict": 2**70}}, 400, "context length"),
+    ("/api/generate", {**OLLAMA, "context": [2**70]}, 400, "vocabulary"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], '
+                             b'"temperature": NaN}', 400, "temperature"),
+    ("/v1/completions", b'{"prompt": "hi", "top_p": Infinity}', 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 65}, 400, "at most 64 stop"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [1] * 65}, 400, "at most 64 stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x" * 1025]}, 400, "1024"),
+    ("/v1/completions", {"prompt": "x" * 100_000}, 400, "not tokenized"),
+    ("/tokenize", {"prompt": "x" * 100_000}, 400, "not tokenized"),
+    ("/api/chat", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}] * 1025},
+     400, "messages has 1025 items, more than this server accepts (1024)"),
+    ("/detokenize", {"tokens": [1] * 100_000}, 400, "tokens has 100000 items"),
+    ("/v1/completions", {"prompt": [1] * 2000}, 400, "prompt has 2000 items"),
+    ("/v1/completions", {"prompt": [[1], [1] * 2000]}, 400, "prompt[1] has 2000 items"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x"}] * 2000}]}, 400, "messages[0].content has 2000 items"),
+    ("/api/generate", {**OLLAMA, "context": [1] * 2000}, 400, "context has 2000 items"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream": True, "top_k": -7}, 400, "top_k"),
     # (path, raw body or JSON object, status, words the message must contain)
     ("/v1/chat/completions", b'{"messages": [', 400, "not valid JSON"),
     ("/v1/chat/completions", b"\xff\xfe", 400, "not valid JSON"),
@@ -54,13 +120,37 @@ def _message(r: httpx.Response) -> str:
     return body["error"] if isinstance(body["error"], str) else body["error"]["message"]
 
 
+def post_keeping_connection(url: str, path: str, body: bytes | dict,
+                            headers: dict[str, str]) -> tuple[int, str]:
+    """POST on one keep-alive connection, then GET /health on the same one.
+
+    Returns (status, error message); asserts the server kept the connection
+    open and serves the next request on it, as a client's pool expects.
+    """
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        conn.request("POST", path, raw, {**headers, "Content-Type": "application/json"})
+        r = conn.getresponse()
+        text = r.read().decode()
+        sock = conn.sock
+        assert sock is not None and r.getheader("connection") != "close", text
+        conn.request("GET", "/health")
+        probe = conn.getresponse()
+        probe.read()
+        assert conn.sock is sock and probe.status == 200
+    finally:
+        conn.close()
+    error = json.loads(text)["error"] if r.status >= 400 else ""
+    return r.status, error if isinstance(error, str) else error["message"]
+
+
 @pytest.mark.parametrize("path,body,status,words", CASES)
 def test_bad_request_is_4xx_with_a_clear_message(real_server, path, body, status, words):
-    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(real_server.url + path, headers=real_server.headers, timeout=30, **kwargs)
-    assert r.status_code == status, r.text
-    assert words in _message(r)
-    assert "Traceback" not in r.text
+    got, message = post_keeping_connection(real_server.url, path, body, real_server.headers)
+    assert got == status, message
+    assert words in message and "Traceback" not in message
 
 
 def test_unknown_fields_are_ignored(real_server):
@@ -105,3 +195,45 @@ def test_huge_chunked_body_is_refused_while_reading(real_server):
     r = httpx.post(f"{real_server.url}/v1/completions", headers=real_server.headers,
                    content=body(), timeout=60)
     assert r.status_code == 413 and "exceeds the limit" in _message(r)
+
+
+def test_templating_and_tokenizing_run_off_the_event_loop(real_server, monkeypatch):
+    """A slow prompt (here a template that takes 2 s) delays its own request only."""
+    tok = real_server.engine.engine.tokenizer
+    render = tok.apply_chat_template
+    threads: list[str] = []
+
+    def slow(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        time.sleep(2.0)
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(tok, "apply_chat_template", slow)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, f"{real_server.url}/v1/chat/completions",
+                              headers=real_server.headers, timeout=60,
+                              json={"messages": CHAT, "max_tokens": 1})
+        while not threads:
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        assert httpx.get(f"{real_server.url}/health", timeout=10).status_code == 200
+        assert time.monotonic() - t0 < 1.0
+        assert pending.result().status_code == 200
+    assert threads[0].startswith("tandem-tokenize")
+
+
+def test_an_unexpected_error_is_a_500_in_shape_on_a_kept_connection(
+        start_server, tiny_config_path, monkeypatch, caplog):
+    s = start_server(tiny_engine(tiny_config_path))
+
+    def broken(self, requested, ollama=False):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(ServerState, "check_model", broken)
+    with caplog.at_level(logging.ERROR, logger="tandem.server"):
+        for path, body in (("/v1/completions", {"prompt": [1]}),
+                           ("/api/generate", {"model": s.model, "context": [1]})):
+            status, message = post_keeping_connection(s.url, path, body, {})
+            assert status == 500 and message == "internal server error (RuntimeError)"
+    assert "unhandled RuntimeError on POST /v1/completions: boom (" in caplog.records[0].message
+    assert all(r.exc_info is None for r in caplog.records)  # one line, no traceback

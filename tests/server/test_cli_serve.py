@@ -55,5 +55,9 @@ def test_serve_subprocess_end_to_end(tiny_config_path):
 
 
 def test_serve_rejects_bad_flags_before_loading(capsys):
-    assert main(["serve", "--max-queue", "-1"]) == 2
-    assert "--max-queue must be >= 0" in capsys.readouterr().err
+    for flags, words in ((["--max-queue", "-1"], "--max-queue must be >= 0"),
+                         (["--generation-config", "greedy"], "--generation-config must be"),
+                         (["--override-generation-config", '{"top_p": 2}'], "top_p must be"),
+                         (["--threads", "0"], "--threads must be >= 1")):
+        assert main(["serve", *flags]) == 2
+        assert words in capsys.readouterr().err

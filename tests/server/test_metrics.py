@@ -113,7 +113,7 @@ def test_stats_line(server):
     httpx.post(f"{server.url}/v1/completions", timeout=60, json={
         "prompt": [1, 2], "max_tokens": 4, "ignore_eos": True})
     text, busy = stats.line()
-    assert busy and "Running: 0 reqs, Waiting: 0 reqs" in text
+    assert busy and "Running: 0 reqs, Waiting: 0 reqs" in text and "CPU threads: " in text
     assert "Avg generation throughput: 0.0" not in text
     text, busy = stats.line()  # nothing happened since
     assert not busy and "Avg generation throughput: 0.0 tokens/s" in text

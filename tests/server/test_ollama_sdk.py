@@ -8,8 +8,9 @@ import pytest
 
 from tests.server.conftest import API_KEY
 
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-GREEDY = {"temperature": 0, "num_predict": 10}
+CHAT = [{"role": "user", "content": "What is 2+2?"}]  # greedy: "... is 4." (12 tokens)
+SEA = [{"role": "user", "content": "Write two sentences about the sea."}]  # greedy: 46 tokens
+GREEDY = {"temperature": 0, "num_predict": 16}
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +31,11 @@ def assert_counters(final, tokens_received: int) -> None:
 
 
 def test_generate_non_streaming(client, real_server):
-    r = client.generate(model="smollm2", prompt="What is the capital of France?",
-                        stream=False, options=GREEDY)
-    assert r.done and r.done_reason in ("stop", "length") and "Paris" in r.response
+    r = client.generate(model="smollm2", prompt=CHAT[0]["content"], stream=False,
+                        options=GREEDY)
+    assert r.done and r.done_reason in ("stop", "length") and "4" in r.response
     assert_counters(r, r.eval_count)
-    assert r.eval_count <= 10
+    assert r.eval_count <= 16
     # context = the templated prompt's ids + the output's: it continues the conversation
     prompt_ids = httpx.post(f"{real_server.url}/tokenize", json={"messages": CHAT},
                             headers=real_server.headers).json()["tokens"]
@@ -54,7 +55,7 @@ def test_generate_streaming_one_object_per_token(client):
 
 def test_chat_streaming_and_not_agree(client):
     whole = client.chat(model="smollm2", messages=CHAT, stream=False, options=GREEDY)
-    assert whole.message.role == "assistant" and "Paris" in whole.message.content
+    assert whole.message.role == "assistant" and "4" in whole.message.content
     assert_counters(whole, whole.eval_count)
     parts = list(client.chat(model="smollm2:latest", messages=CHAT, stream=True,
                              options=GREEDY))
@@ -63,14 +64,28 @@ def test_chat_streaming_and_not_agree(client):
     assert parts[-1].done_reason == whole.done_reason
 
 
+def test_no_num_predict_runs_until_the_model_stops(client):
+    """num_predict left out is Ollama's -1: until the model stops, with the sampling
+    defaults /api/show reports (the model sets none: tandem's, Ollama's own values)."""
+    r = client.chat(model="smollm2", messages=SEA, stream=False, options={"temperature": 0})
+    assert r.done_reason == "stop" and r.eval_count > 16
+    r = client.generate(model="smollm2", prompt=SEA[0]["content"], stream=False,
+                        options={"seed": 1})
+    assert r.done_reason == "stop"
+    show = client.show("smollm2")
+    assert show.parameters.splitlines()[1:] == ["temperature 0.8", "top_k 40", "top_p 0.9"]
+    assert "PARAMETER temperature 0.8" in show.modelfile
+
+
 def test_options_are_honoured(client):
     r = client.generate(model="smollm2", prompt="Count: 1, 2, 3,", raw=True, stream=False,
                         options={"temperature": 0, "num_predict": 20, "stop": ["6"]})
     assert r.response == " 4, 5, " and r.done_reason == "stop"
-    a = client.generate(model="smollm2", prompt="Once upon a time", stream=False,
-                        options={"seed": 5, "num_predict": 8, "temperature": 1.0})
-    b = client.generate(model="smollm2", prompt="Once upon a time", stream=False,
-                        options={"seed": 5, "num_predict": 8, "temperature": 1.0})
+    # raw: 4 prompt tokens, no cached block, so both runs compute the same way (int4
+    # weights make a prompt's logits depend slightly on how much of it was cached)
+    a, b = (client.generate(model="smollm2", prompt="Once upon a time", stream=False, raw=True,
+                            options={"seed": 5, "num_predict": 8, "temperature": 1.0})
+            for _ in range(2))
     assert a.response == b.response
 
 

@@ -9,7 +9,8 @@ import pytest
 from tests.server.conftest import API_KEY
 
 COUNTING = "1, 2, 3, 4,"  # greedy: " 5, 6, 7, 8," (SmolLM2-135M-Instruct)
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+CHAT = [{"role": "user", "content": "What is 2+2?"}]  # greedy: "... is 4." (12 tokens)
+SEA = [{"role": "user", "content": "Write two sentences about the sea."}]  # greedy: 46 tokens
 
 
 @pytest.fixture(scope="module")
@@ -25,20 +26,34 @@ def test_models_lists_the_served_name_and_window(client):
 
 
 def test_chat_non_streaming_reports_usage_and_phase_split(client, real_server):
-    r = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=12,
+    r = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=16,
                                        temperature=0)
     choice = r.choices[0]
-    assert "Paris" in choice.message.content and choice.message.role == "assistant"
+    assert "4" in choice.message.content and choice.message.role == "assistant"
     assert choice.finish_reason in ("stop", "length")
     ids = httpx.post(f"{real_server.url}/tokenize", json={"messages": CHAT},
                      headers=real_server.headers).json()
     assert r.usage.prompt_tokens == ids["count"]
-    assert 1 <= r.usage.completion_tokens <= 12
+    assert 1 <= r.usage.completion_tokens <= 16
     split = r.tandem
     assert split["output_tokens"] == r.usage.completion_tokens
     assert split["prefill_s"] > 0 and split["queue_s"] >= 0 and split["decode_s"] >= 0
     assert split["ttft_s"] <= split["e2e_s"]
     assert split["prefill_tokens_per_s"] > 0
+
+
+def test_chat_without_limits_runs_until_the_model_stops(client):
+    """No max_tokens: until the model stops or the context is full (OpenAI's and vLLM's
+    default), not 16 tokens; greedy, and with the server's sampling defaults."""
+    r = client.chat.completions.create(model="smollm2", messages=SEA, temperature=0)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens > 16
+    r = client.chat.completions.create(model="smollm2", messages=SEA, seed=1)
+    assert r.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model="smollm2", messages=SEA, seed=1,
+                                                 stream=True))
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+        r.choices[0].message.content
 
 
 def test_chat_streaming_matches_non_streaming_one_chunk_per_token(client):
