@@ -48,7 +48,7 @@ class _OpenAISampling(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None  # accepted and ignored, as the issue says
+    user: str | None = None  # accepted and ignored (OpenAI uses it for abuse monitoring)
     # vLLM extensions
     top_k: int | None = None
     min_p: float | None = None
