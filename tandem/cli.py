@@ -188,11 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=a.log_level, format="%(levelname)s %(name)s: %(message)s")
     try:
         if a.command == "serve":
+            from tandem.engine.async_engine import AsyncEngine
             from tandem.server.app import serve
 
             config = engine_config_from_args(a)
             config.skip_tokenizer_init = a.skip_tokenizer_init
-            return serve(a, config)
+            return serve(a, lambda: AsyncEngine(config))
         if a.command == "generate":
             return cmd_generate(a, chat=False)
         if a.command == "chat":

@@ -21,17 +21,15 @@ from collections.abc import AsyncIterator, Sequence
 import torch
 
 from tandem.config import EngineConfig
+from tandem.engine.client import EngineDeadError, EngineStats, ModelInfo
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.request import Request
 from tandem.engine.thread_tuner import ThreadTuner
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
+from tandem.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop failed; requests in flight at the time were failed with it."""
 
 
 class AsyncEngine:
@@ -75,6 +73,7 @@ class AsyncEngine:
         if failure:
             self._stopped = True
             raise failure[0]
+        self.model_info = ModelInfo.of(self.engine)
 
     # ------------------------------------------------------------ caller side
     async def generate(
@@ -121,6 +120,25 @@ class AsyncEngine:
     def num_pending(self) -> int:
         """Requests handed over but not yet seen by the engine thread."""
         return len(self._new)
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def stats(self) -> EngineStats:
+        """Counters read from the caller's thread while the engine steps: each
+        value is consistent, the set is a moment give or take a step."""
+        e = self.engine
+        sched, kv = e.scheduler, e.kv_manager
+        return EngineStats(
+            num_running=sched.num_running, num_waiting=sched.num_waiting,
+            num_pending=self.num_pending, kv_cache_usage=kv.usage,
+            num_preemptions=sched.num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+            prompt_tokens_total=e.num_prompt_tokens_total,
+            generation_tokens_total=e.num_generation_tokens_total,
+            num_threads=self.num_threads,
+        )
 
     @property
     def num_threads(self) -> int | None:

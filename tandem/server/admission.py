@@ -21,27 +21,27 @@ from __future__ import annotations
 
 import math
 
-from tandem.engine.async_engine import AsyncEngine
+from tandem.engine.client import EngineClient
 from tandem.server.errors import APIError
 
 OLLAMA_BUSY = "server busy, please try again.  maximum pending requests exceeded"
 
 
 class Admission:
-    def __init__(self, engine: AsyncEngine, max_queue: int) -> None:
+    def __init__(self, engine: EngineClient, max_queue: int) -> None:
         if max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {max_queue}")
         self.engine = engine
         self.max_queue = max_queue
-        self.max_num_seqs = engine.engine.config.max_num_seqs
+        self.max_num_seqs = engine.model_info.max_num_seqs
         self.in_flight = 0
         self.rejected = 0
         self._e2e_ewma = 0.0  # seconds, for Retry-After
 
     @property
     def capacity(self) -> int:
-        sched = self.engine.engine.scheduler
-        running, waiting = sched.num_running, sched.num_waiting
+        stats = self.engine.stats()
+        running, waiting = stats.num_running, stats.num_waiting
         if waiting > 0 and running < self.max_num_seqs:
             return running
         return self.max_num_seqs

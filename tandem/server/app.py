@@ -1,6 +1,6 @@
 """The FastAPI app: both APIs, /metrics, /health, error shapes, the stats logger.
 
-``build_app(engine, ServerConfig(...))`` wires an AsyncEngine, or a loader
+``build_app(engine, ServerConfig(...))`` wires an EngineClient, or a loader
 that makes one in the background; ``serve`` is ``tandem serve``, which listens
 at once and loads the model behind a 503 "Loading model" (as llama-server does).
 """
@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem import __version__
-from tandem.engine.async_engine import AsyncEngine
+from tandem.engine.client import EngineClient
 from tandem.server import defaults, ollama, openai
 from tandem.server.admission import Admission
 from tandem.server.errors import APIError
@@ -37,7 +37,7 @@ from tandem.server.stats import StatsLogger
 
 logger = logging.getLogger("tandem.server")
 
-Loader = Callable[[], AsyncEngine]
+Loader = Callable[[], EngineClient]
 # Answer while the model loads: they need no engine, and clients probe them
 # to find out whether a server is there at all (Ollama's CLI: HEAD /).
 OPEN_WHILE_LOADING = frozenset({"/version", "/api/version", "/"})
@@ -64,8 +64,8 @@ class ServerConfig:
     override_generation_config: dict[str, Any] | None = None
 
 
-def build_app(engine: AsyncEngine | Loader, config: ServerConfig | None = None) -> FastAPI:
-    """The app over a loaded AsyncEngine, or over a loader that makes one.
+def build_app(engine: EngineClient | Loader, config: ServerConfig | None = None) -> FastAPI:
+    """The app over a loaded EngineClient, or over a loader that makes one.
 
     Given an engine (tests, embedding), the app is ready at once. Given a
     loader (``tandem serve``), the server can listen before a multi-GB model is
@@ -95,7 +95,7 @@ def build_app(engine: AsyncEngine | Loader, config: ServerConfig | None = None) 
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.tandem = None
     app.state.load_error = None
-    if isinstance(engine, AsyncEngine):
+    if not callable(engine):  # an engine, not a loader
         app.state.tandem = _server_state(engine, config)
     app.add_middleware(_UntilReady, app_state=app.state)
     app.add_middleware(_NoUnhandledErrors)
@@ -122,10 +122,10 @@ def build_app(engine: AsyncEngine | Loader, config: ServerConfig | None = None) 
     return app
 
 
-def _server_state(engine: AsyncEngine, config: ServerConfig) -> ServerState:
-    llm = engine.engine
-    max_queue = config.max_queue if config.max_queue is not None else llm.config.max_num_seqs
-    card = ModelCard.from_engine(llm, config.served_model_names)
+def _server_state(engine: EngineClient, config: ServerConfig) -> ServerState:
+    info = engine.model_info
+    max_queue = config.max_queue if config.max_queue is not None else info.max_num_seqs
+    card = ModelCard.from_engine(engine, config.served_model_names)
     return ServerState(
         engine=engine,
         card=card,
@@ -134,12 +134,12 @@ def _server_state(engine: AsyncEngine, config: ServerConfig) -> ServerState:
         api_key=config.api_key or None,
         max_body_bytes=config.max_body_bytes,
         defaults=defaults.resolve(config.generation_config, config.override_generation_config,
-                                  llm.model_dir, Path(card.root) if card.format == "gguf"
+                                  Path(info.model_dir), Path(card.root) if card.format == "gguf"
                                   else None),
     )
 
 
-async def _when_loaded(app: FastAPI, engine: AsyncEngine | Loader, config: ServerConfig) -> None:
+async def _when_loaded(app: FastAPI, engine: EngineClient | Loader, config: ServerConfig) -> None:
     """The lifespan's task: load if needed, open the gate, then log stats forever."""
     if app.state.tandem is None:
         loaded, error = await _in_daemon_thread(engine)
@@ -150,14 +150,14 @@ async def _when_loaded(app: FastAPI, engine: AsyncEngine | Loader, config: Serve
     state: ServerState = app.state.tandem
     logger.info("serving %s (max_model_len %d, max_num_seqs %d, max_queue %d)",
                 state.card.name, state.card.max_model_len,
-                state.engine.engine.config.max_num_seqs, state.admission.max_queue)
+                state.engine.model_info.max_num_seqs, state.admission.max_queue)
     logger.info("sampling defaults for fields a request leaves out: %s; max_tokens: until "
                 "the model stops or the context is full (chat, /api/*), %d (/v1/completions)",
                 state.defaults.describe(), openai.COMPLETIONS_DEFAULT_MAX_TOKENS)
     await StatsLogger(state.engine, config.stats_interval_s).run()
 
 
-async def _in_daemon_thread(load: Loader) -> tuple[AsyncEngine | None, BaseException | None]:
+async def _in_daemon_thread(load: Loader) -> tuple[EngineClient | None, BaseException | None]:
     """(load(), None) or (None, what it raised), without blocking the event loop.
 
     A daemon thread, not the loop's executor: asyncio.run waits for executor
@@ -269,7 +269,7 @@ class _NoUnhandledErrors:
 
 
 # -------------------------------------------------------------------- CLI
-def serve(args, engine_config) -> int:
+def serve(args, load: Loader) -> int:
     """``tandem serve``: check the flags, then run_server with the model's loader."""
     if args.max_queue is not None and args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
@@ -280,12 +280,12 @@ def serve(args, engine_config) -> int:
     generation_config = defaults.check_mode(args.generation_config)
     override = defaults.parse_override(args.override_generation_config)
 
-    def load() -> AsyncEngine:
-        engine = AsyncEngine(engine_config)
-        logger.info("model loaded in %.1f s", engine.engine.load_duration_s)
+    def logged_load() -> EngineClient:
+        engine = load()
+        logger.info("model loaded in %.1f s", engine.model_info.load_duration_s)
         return engine
 
-    return run_server(load, ServerConfig(
+    return run_server(logged_load, ServerConfig(
         served_model_names=args.served_model_name, api_key=args.api_key,
         max_queue=args.max_queue, stats_interval_s=args.stats_interval,
         generation_config=generation_config, override_generation_config=override,
@@ -305,7 +305,7 @@ def run_server(load: Loader, config: ServerConfig, host: str, port: int,
 
     failure: list[BaseException] = []
 
-    def load_or_stop() -> AsyncEngine:
+    def load_or_stop() -> EngineClient:
         try:
             return load()
         except BaseException as e:

@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from tandem.engine.async_engine import EngineDeadError
+from tandem.engine.client import EngineDeadError
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.server.errors import APIError
@@ -82,7 +82,7 @@ def _check_bounds(state: ServerState, fields: dict) -> None:
     if any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in stops):
         raise APIError(400, f"stop strings may have at most {MAX_STOP_CHARS} characters",
                        param="stop")
-    vocab = state.engine.engine.model_config.vocab_size
+    vocab = state.engine.model_info.vocab_size
     bad = [t for t in ids if isinstance(t, int) and not 0 <= t < vocab]
     if bad:
         raise APIError(400, f"stop_token_ids: {bad[0]} is outside the vocabulary "

@@ -22,7 +22,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from tandem.engine.async_engine import AsyncEngine
+from tandem.engine.client import EngineClient
 from tandem.outputs import RequestMetrics
 
 LABELS = ["model_name", "engine"]
@@ -50,7 +50,7 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         # No *_created series (process-wide): vLLM's dashboards do not use them and
         # they double the scrape.
         disable_created_metrics()
@@ -62,7 +62,7 @@ class ServerMetrics:
         def hist(name: str, doc: str, buckets: list) -> Histogram:
             return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(*lv)
 
-        max_len = engine.engine.max_model_len
+        max_len = engine.model_info.max_model_len
         self.ttft = hist("vllm:time_to_first_token_seconds",
                          "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.itl = hist("vllm:inter_token_latency_seconds",
@@ -138,7 +138,7 @@ class _EngineCollector:
     safe (a scrape sees a value at most one step old).
     """
 
-    def __init__(self, engine: AsyncEngine, label_values: tuple[str, str]) -> None:
+    def __init__(self, engine: EngineClient, label_values: tuple[str, str]) -> None:
         self.engine = engine
         self.lv = list(label_values)
 
@@ -146,8 +146,7 @@ class _EngineCollector:
         return []  # collected lazily; nothing to check for duplicates at registration
 
     def collect(self):
-        eng = self.engine.engine
-        sched, kv = eng.scheduler, eng.kv_manager
+        s = self.engine.stats()
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=LABELS)
@@ -160,20 +159,20 @@ class _EngineCollector:
             return c
 
         yield gauge("vllm:num_requests_running",
-                    "Number of requests in model execution batches.", sched.num_running)
+                    "Number of requests in model execution batches.", s.num_running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                    sched.num_waiting + self.engine.num_pending)
+                    s.num_waiting + s.num_pending)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                    kv.usage)
+                    s.kv_cache_usage)
         yield counter("vllm:num_preemptions",
-                      "Cumulative number of preemption from the engine.", sched.num_preemptions)
+                      "Cumulative number of preemption from the engine.", s.num_preemptions)
         yield counter("vllm:prefix_cache_queries",
                       "Prefix cache queries, in terms of number of queried tokens.",
-                      kv.prefix_cache_queries)
+                      s.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits",
                       "Prefix cache hits, in terms of number of cached tokens.",
-                      kv.prefix_cache_hits)
+                      s.prefix_cache_hits)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
-                      eng.num_prompt_tokens_total)
+                      s.prompt_tokens_total)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                      eng.num_generation_tokens_total)
+                      s.generation_tokens_total)

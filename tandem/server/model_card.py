@@ -12,8 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tandem.engine.llm_engine import LLMEngine
-from tandem.model.linear import quantization_level
+from tandem.engine.client import EngineClient
 
 _FAMILIES = {  # Ollama's family names (Mistral GGUFs are llama's architecture)
     "LlamaForCausalLM": "llama",
@@ -40,12 +39,12 @@ class ModelCard:
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
-    def from_engine(cls, engine: LLMEngine, served_names: list[str] | None) -> ModelCard:
-        cfg = engine.model_config
-        source = engine.config.model
+    def from_engine(cls, engine: EngineClient, served_names: list[str] | None) -> ModelCard:
+        info = engine.model_info
+        source = info.source
         root = str(source) if source is not None else str(_default_source())
         names = list(served_names or [default_served_name(source)])
-        if engine.config.load_format == "dummy":
+        if info.load_format == "dummy":
             fmt = "dummy"
         elif root.lower().endswith(".gguf"):
             fmt = "gguf"
@@ -56,13 +55,13 @@ class ModelCard:
             name=names[0],
             aliases=names[1:],
             root=root,
-            max_model_len=engine.max_model_len,
-            family=_FAMILIES.get(cfg.architecture, cfg.architecture),
+            max_model_len=info.max_model_len,
+            family=_FAMILIES.get(info.architecture, info.architecture),
             format=fmt,
-            parameter_count=parameter_count(cfg),
-            size_bytes=weight_bytes(engine),
-            quantization_level=served_quantization(engine),
-            device=engine.device.type,
+            parameter_count=info.parameter_count,
+            size_bytes=info.size_bytes,
+            quantization_level=info.quantization_level,
+            device=info.device,
             chat_template=tok.chat_template if tok is not None else None,
         )
 
@@ -110,38 +109,3 @@ def default_served_name(source: str | None) -> str:
     if path.name == "config.json":
         path = path.parent
     return path.stem if path.suffix.lower() == ".gguf" else path.name
-
-
-def parameter_count(cfg) -> int:
-    """From the config (not the tensors), so a quantized layout does not change it."""
-    h, v, inter, d = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size, cfg.head_dim
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    per_layer = (
-        h * (heads + 2 * kv) * d  # q, k, v
-        + heads * d * h  # o
-        + 3 * h * inter  # gate, up, down
-        + 2 * h  # norms
-    )
-    if cfg.attention_bias:
-        per_layer += (heads + 2 * kv) * d
-    if cfg.qk_norm:
-        per_layer += 2 * d
-    embed = v * h
-    head = 0 if cfg.tie_word_embeddings else v * h
-    return embed + cfg.num_hidden_layers * per_layer + h + head
-
-
-def served_quantization(engine: LLMEngine) -> str:
-    """The format holding most of the layer matmuls' bytes, as served (a Q4_K_M
-    file's few Q6_K matrices run as int8 beside its int4 majority)."""
-    by_level: dict[str, int] = {}
-    for layer in engine.model.layers:
-        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            level = quantization_level(lin)
-            by_level[level] = by_level.get(level, 0) + lin.nbytes
-    return max(by_level, key=by_level.__getitem__)
-
-
-def weight_bytes(engine: LLMEngine) -> int:
-    """Bytes the loaded weights occupy."""
-    return engine.model.nbytes

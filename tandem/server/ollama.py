@@ -118,7 +118,7 @@ async def show(request: Request) -> dict:
         raise bad_request("model is required", "model")
     state.check_model(name, ollama=True)
     c = state.card
-    cfg = state.engine.engine.model_config
+    cfg = state.engine.model_info
     arch = c.family
     params = [f"num_ctx {c.max_model_len}", *state.defaults.ollama_parameters()]
     return {
@@ -269,7 +269,7 @@ class _View:
         self.gen = gen
         self.t0 = t0
         self.chat = chat
-        self.tok = state.engine.engine.tokenizer
+        self.tok = state.engine.tokenizer
 
     def _object(self, text: str) -> dict:
         obj: dict = {"model": self.model, "created_at": _now()}

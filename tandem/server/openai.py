@@ -97,7 +97,7 @@ async def detokenize(request: Request) -> dict:
     req = await state.read(request, DetokenizeRequest, state.max_text_chars)
     state.check_model(req.model)
     tok = state.tokenizer
-    vocab = state.engine.engine.model_config.vocab_size
+    vocab = state.engine.model_info.vocab_size
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
         raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
@@ -294,7 +294,7 @@ class _View:
     def __init__(self, state: ServerState, model: str, gen: Generation, n: int,
                  return_token_ids: bool) -> None:
         self.state = state
-        self.tok = state.engine.engine.tokenizer
+        self.tok = state.engine.tokenizer
         self.model = model
         self.gen = gen
         self.n = n  # choices per prompt

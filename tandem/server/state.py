@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from tandem.engine.async_engine import AsyncEngine
+from tandem.engine.client import EngineClient
 from tandem.server.admission import Admission
 from tandem.server.defaults import SamplingDefaults
 from tandem.server.errors import APIError
@@ -29,7 +29,7 @@ TOKENIZER_THREADS = 2
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: EngineClient
     card: ModelCard
     admission: Admission
     metrics: ServerMetrics
@@ -44,14 +44,14 @@ class ServerState:
     @property
     def tokenizer(self) -> Tokenizer:
         """The tokenizer, or a 400 for text requests to a tokenizer-less (dummy) model."""
-        tok = self.engine.engine.tokenizer
+        tok = self.engine.tokenizer
         if tok is None:
             raise APIError(400, "this model was loaded without a tokenizer: send token ids")
         return tok
 
     @property
     def has_tokenizer(self) -> bool:
-        return self.engine.engine.tokenizer is not None
+        return self.engine.tokenizer is not None
 
     def new_id(self, prefix: str) -> str:
         """Unique within this process (the engine requires it), short, readable in logs."""

@@ -12,22 +12,21 @@ import asyncio
 import logging
 import time
 
-from tandem.engine.async_engine import AsyncEngine
+from tandem.engine.client import EngineClient
 
 logger = logging.getLogger("tandem.server")
 
 
 class StatsLogger:
-    def __init__(self, engine: AsyncEngine, interval_s: float) -> None:
+    def __init__(self, engine: EngineClient, interval_s: float) -> None:
         self.engine = engine
         self.interval_s = interval_s
         self._last = self._snapshot()
 
     def _snapshot(self) -> tuple[float, int, int, int, int]:
-        e = self.engine.engine
-        kv = e.kv_manager
-        return (time.monotonic(), e.num_prompt_tokens_total, e.num_generation_tokens_total,
-                kv.prefix_cache_queries, kv.prefix_cache_hits)
+        s = self.engine.stats()
+        return (time.monotonic(), s.prompt_tokens_total, s.generation_tokens_total,
+                s.prefix_cache_queries, s.prefix_cache_hits)
 
     def line(self) -> tuple[str, bool]:
         """The line for the interval since the last call, and whether anything happened."""
@@ -36,19 +35,18 @@ class StatsLogger:
         t1, p1, g1, q1, h1 = now
         self._last = now
         dt = max(t1 - t0, 1e-9)
-        e = self.engine.engine
-        sched = e.scheduler
-        running, waiting = sched.num_running, sched.num_waiting + self.engine.num_pending
+        s = self.engine.stats()
+        running, waiting = s.num_running, s.num_waiting + s.num_pending
         hit = 100.0 * (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0
         text = (
             f"Avg prompt throughput: {(p1 - p0) / dt:.1f} tokens/s, "
             f"Avg generation throughput: {(g1 - g0) / dt:.1f} tokens/s, "
             f"Running: {running} reqs, Waiting: {waiting} reqs, "
-            f"KV cache usage: {100 * e.kv_manager.usage:.1f}%, "
-            f"Prefix cache hit rate: {hit:.1f}%, Preemptions: {sched.num_preemptions}"
+            f"KV cache usage: {100 * s.kv_cache_usage:.1f}%, "
+            f"Prefix cache hit rate: {hit:.1f}%, Preemptions: {s.num_preemptions}"
         )
-        if self.engine.num_threads is not None:
-            text += f", CPU threads: {self.engine.num_threads}"
+        if s.num_threads is not None:
+            text += f", CPU threads: {s.num_threads}"
         return text, bool(p1 - p0 or g1 - g0 or running or waiting)
 
     async def run(self) -> None:

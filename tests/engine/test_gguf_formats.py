@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from tandem.config import EngineConfig
+from tandem.engine.client import served_quantization
 from tandem.engine.llm_engine import LLMEngine
 from tandem.model.linear import DenseLinear, Int4Linear, Int8Linear
 from tandem.sampling_params import SamplingParams
-from tandem.server.model_card import served_quantization
 
 from ..unit.test_gguf import _write_tiny_gguf
 from .cpu_paths import CPU_PATHS, cpu_path

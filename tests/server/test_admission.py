@@ -149,17 +149,16 @@ def test_engine_failure_mid_stream_is_an_error_event(start_server, tiny_config_p
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
 
 
-class _Sched:
-    def __init__(self, running: int, waiting: int) -> None:
-        self.num_running, self.num_waiting = running, waiting
-
-
 class _FakeEngine:
-    """Just what Admission reads: the scheduler's counts and max_num_seqs."""
+    """Just what Admission reads of the engine client: max_num_seqs and the
+    running / waiting counts of stats()."""
 
     def __init__(self, max_num_seqs: int) -> None:
-        self.engine = SimpleNamespace(config=SimpleNamespace(max_num_seqs=max_num_seqs),
-                                      scheduler=_Sched(0, 0))
+        self.model_info = SimpleNamespace(max_num_seqs=max_num_seqs)
+        self.counts = (0, 0)
+
+    def stats(self) -> SimpleNamespace:
+        return SimpleNamespace(num_running=self.counts[0], num_waiting=self.counts[1])
 
 
 def test_admission_bound_follows_the_engine_limit():
@@ -174,13 +173,13 @@ def test_admission_bound_follows_the_engine_limit():
     adm.acquire(1)
     # The KV pool, not max_num_seqs, is the limit: 2 run, the engine holds the rest back.
     adm.release(6)
-    eng.engine.scheduler = _Sched(running=2, waiting=1)
+    eng.counts = (2, 1)  # running, waiting
     adm.acquire(3)  # 2 running + 1 waiting
     adm.acquire(1)  # 2 waiting
     with pytest.raises(APIError):
         adm.acquire(1)
     # An idle server takes any request, even one with n above every bound.
     adm.release(4)
-    eng.engine.scheduler = _Sched(0, 0)
+    eng.counts = (0, 0)
     adm.acquire(10)
     assert adm.in_flight == 10

@@ -1,0 +1,125 @@
+"""The engine client contract: all that the HTTP server may use of an engine.
+
+Requests go in (``generate``, ``abort``), outputs and a snapshot of the
+counters come out (``stats``), and ``model_info`` describes the model once.
+The scheduler, the KV cache manager and the model stay behind it: the local
+``AsyncEngine`` implements it, and an engine in another process or on another
+machine can implement the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from tandem.model.linear import quantization_level
+from tandem.outputs import RequestOutput
+from tandem.sampling_params import SamplingParams
+from tandem.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.model.llama import ModelConfig
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The served model, fixed once it is loaded."""
+
+    source: str | None  # what --model named; None: the embedded default
+    model_dir: str  # config, tokenizer, generation_config.json (a GGUF's extracted copy)
+    load_format: str
+    architecture: str  # HF class name, e.g. LlamaForCausalLM
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_model_len: int
+    max_num_seqs: int
+    parameter_count: int
+    size_bytes: int  # the weights as held in memory
+    quantization_level: str  # the format of most layer bytes, llama.cpp's names
+    device: str
+    load_duration_s: float
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> ModelInfo:
+        c, m = engine.config, engine.model_config
+        return cls(
+            source=c.model, model_dir=str(engine.model_dir), load_format=c.load_format,
+            architecture=m.architecture, vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+            num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
+            num_key_value_heads=m.num_key_value_heads, max_model_len=engine.max_model_len,
+            max_num_seqs=c.max_num_seqs, parameter_count=parameter_count(m),
+            size_bytes=engine.model.nbytes, quantization_level=served_quantization(engine),
+            device=engine.device.type, load_duration_s=engine.load_duration_s,
+        )
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; requests in flight at the time were failed with it."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's gauges and cumulative counters at one moment."""
+
+    num_running: int
+    num_waiting: int  # admitted by the engine, waiting for a slot or blocks
+    num_pending: int  # handed over, not yet seen by the engine loop
+    kv_cache_usage: float  # 0..1
+    num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # prompt tokens found
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_threads: int | None  # CPU threads a step runs on (None on a GPU)
+
+
+class EngineClient(Protocol):
+    model_info: ModelInfo
+
+    @property
+    def tokenizer(self) -> Tokenizer | None: ...
+
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams,
+                 request_id: str | None = None) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    @property
+    def dead(self) -> bool: ...
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """From the config (not the tensors), so a quantized layout does not change it."""
+    h, v, inter, d = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size, cfg.head_dim
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    per_layer = (
+        h * (heads + 2 * kv) * d  # q, k, v
+        + heads * d * h  # o
+        + 3 * h * inter  # gate, up, down
+        + 2 * h  # norms
+    )
+    if cfg.attention_bias:
+        per_layer += (heads + 2 * kv) * d
+    if cfg.qk_norm:
+        per_layer += 2 * d
+    embed = v * h
+    head = 0 if cfg.tie_word_embeddings else v * h
+    return embed + cfg.num_hidden_layers * per_layer + h + head
+
+
+def served_quantization(engine: LLMEngine) -> str:
+    """The format holding most of the layer matmuls' bytes, as served (a Q4_K_M
+    file's few Q6_K matrices run as int8 beside its int4 majority)."""
+    by_level: dict[str, int] = {}
+    for layer in engine.model.layers:
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            level = quantization_level(lin)
+            by_level[level] = by_level.get(level, 0) + lin.nbytes
+    return max(by_level, key=by_level.__getitem__)
