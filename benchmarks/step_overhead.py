@@ -92,10 +92,8 @@ def wide_step_ms(path: str, seqs: int = 64, context: int = 4096, steps: int = 40
         times.append(time.perf_counter() - t)
     reqs = list(engine.requests.values())
     ctx = torch.tensor([r.num_computed_tokens for r in reqs], dtype=torch.int32)
-    bs = engine.config.block_size
-    width = -(-int(ctx.max()) // bs)
-    table = torch.tensor([r.block_ids[:width] + [0] * (width - len(r.block_ids[:width]))
-                          for r in reqs], dtype=torch.int32)
+    bs, blocks = engine.config.block_size, engine.runner.block_table
+    table = blocks.table(blocks.rows(reqs), -(-int(ctx.max()) // bs))
     q = torch.randn(len(reqs), 1, 16)
     cache = engine.kv_caches[0]
     for _ in range(steps):

@@ -550,14 +550,10 @@ class GGUFWeights:
         self.num_tensors = len(self._names)
         self.nbytes = sum(int(t.n_bytes) for t, _ in self._names.values())
 
-    def pop(self, name: str, *default):
-        """The tensor as a float32 torch tensor, or a QuantizedWeight for block formats."""
-        try:
-            t, heads = self._names.pop(name)
-        except KeyError:
-            if default:
-                return default[0]
-            raise
+    def pop(self, name: str):
+        """The tensor as a float32 torch tensor, or a QuantizedWeight for block formats
+        (KeyError when the file has none of that name)."""
+        t, heads = self._names.pop(name)
         buf = bytearray(t.n_bytes)  # writable, so torch can take its arrays as they are
         with open(self.src, "rb") as f:
             f.seek(t.data_offset)

@@ -88,13 +88,8 @@ class SafetensorsWeights:
             self.nbytes += f.stat().st_size
         self.num_tensors = len(self._where)
 
-    def pop(self, name: str, *default) -> torch.Tensor:
-        st = self._where.pop(name, None)
-        if st is None:
-            if default:
-                return default[0]
-            raise KeyError(name)
-        return st.get_tensor(name)
+    def pop(self, name: str) -> torch.Tensor:
+        return self._where.pop(name).get_tensor(name)
 
 
 class DummyWeights:
@@ -135,12 +130,8 @@ class DummyWeights:
         self.num_tensors = len(s)
         self.nbytes = 0
 
-    def pop(self, name: str, *default) -> torch.Tensor:
-        shape = self._shapes.pop(name, None)
-        if shape is None:
-            if default:
-                return default[0]
-            raise KeyError(name)
+    def pop(self, name: str) -> torch.Tensor:
+        shape = self._shapes.pop(name)
         if name.endswith("norm.weight"):
             return torch.ones(shape, dtype=self.dtype)
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
@@ -226,7 +217,10 @@ def fuse_weights(
         return DenseLinear(dense(w), bias) if kind == "none" else make_linear(w, bias, kind)
 
     quantized = quantization in ("int8", "int4") or (quantization == "auto" and src.quantized)
-    lm = src.pop("lm_head.weight", None)
+    try:
+        lm = src.pop("lm_head.weight")
+    except KeyError:  # tied: the LM head is the embedding
+        lm = None
     if lm is None and not cfg.tie_word_embeddings:
         raise ValueError("the weights have no lm_head.weight and tie_word_embeddings is false")
     if not quantized:
