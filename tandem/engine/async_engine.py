@@ -21,13 +21,13 @@ from collections.abc import AsyncIterator, Sequence
 import torch
 
 from tandem.config import EngineConfig
+from tandem.core.request import Request
 from tandem.engine.client import EngineDeadError, EngineStats, ModelInfo
 from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.request import Request
-from tandem.engine.thread_tuner import ThreadTuner
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.tokenizer import Tokenizer
+from tandem.worker.thread_tuner import ThreadTuner
 
 logger = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from tandem.model.gguf import default_model_path
 from tandem.model.linear import quantization_level
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -28,6 +29,7 @@ class ModelInfo:
     """The served model, fixed once it is loaded."""
 
     source: str | None  # what --model named; None: the embedded default
+    model_path: str  # the file or directory loaded (the embedded default's GGUF for None)
     model_dir: str  # config, tokenizer, generation_config.json (a GGUF's extracted copy)
     load_format: str
     architecture: str  # HF class name, e.g. LlamaForCausalLM
@@ -48,7 +50,9 @@ class ModelInfo:
     def of(cls, engine: LLMEngine) -> ModelInfo:
         c, m = engine.config, engine.model_config
         return cls(
-            source=c.model, model_dir=str(engine.model_dir), load_format=c.load_format,
+            source=c.model, model_dir=str(engine.model_dir),
+            model_path=str(default_model_path() if c.model is None else c.model),
+            load_format=c.load_format,
             architecture=m.architecture, vocab_size=m.vocab_size, hidden_size=m.hidden_size,
             num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
             num_key_value_heads=m.num_key_value_heads, max_model_len=engine.max_model_len,

@@ -17,17 +17,17 @@ from collections.abc import Sequence
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine.detokenizer import IncrementalDetokenizer
-from tandem.engine.kv_cache_manager import KVCacheManager
-from tandem.engine.model_runner import ModelRunner, allocate_kv_caches
-from tandem.engine.request import Request, RequestStatus
-from tandem.engine.scheduler import Scheduler
+from tandem.core.detokenizer import IncrementalDetokenizer
+from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.request import Request, RequestStatus
+from tandem.core.scheduler import Scheduler
 from tandem.model.attention import AttentionMetadata, build_group
 from tandem.model.kv_cache import kv_cache_class
 from tandem.model.loader import load_model, resolve_model
 from tandem.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.tokenizer import Tokenizer
+from tandem.worker.model_runner import ModelRunner, allocate_kv_caches
 
 logger = logging.getLogger(__name__)
 

@@ -33,15 +33,15 @@ from enum import IntEnum
 import torch
 import torch.nn.functional as F
 
-from tandem import _custom_ops
+from tandem.kernels import custom_ops
 
 INT4_GROUP_SIZE = 32
-INT8_GROUP_SIZE = 32  # inputs per activation scale (tandem/csrc/quant_linear.h: kInt8Group)
+INT8_GROUP_SIZE = 32  # inputs per activation scale (tandem/kernels/csrc/quant_linear.h: kInt8Group)
 
 
 class WeightKind(IntEnum):
     """A matmul's weight format as tandem's C++ decode step numbers it
-    (tandem/csrc/step_matmul.h: WeightKind)."""
+    (tandem/kernels/csrc/step_matmul.h: WeightKind)."""
 
     DENSE = 0
     INT8 = 1
@@ -51,7 +51,7 @@ class WeightKind(IntEnum):
 class DenseLinear:
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         # HF's [out, in], kept as is: a tied LM head shares the embedding's
-        # storage, and tandem's fused decode step (tandem.model.decode_step)
+        # storage, and tandem's fused decode step (tandem.worker.decode_step)
         # streams it row by row.
         self.w = w
         self.bias = bias
@@ -200,7 +200,7 @@ def quantize_int4(w: torch.Tensor) -> QuantizedWeight:
 def _tile_pack(u8: torch.Tensor, group: int, pad: int) -> torch.Tensor:
     """uint8 [n, k] -> tiles [ceil(n / 16), kp / 4, 16, 4] (kp: k padded to whole
     groups of ``group`` bytes with ``pad``): each 64 bytes hold 4 consecutive
-    columns of a tile's 16 rows (tandem/csrc/quant_linear.h). Tile by tile, so
+    columns of a tile's 16 rows (tandem/kernels/csrc/quant_linear.h). Tile by tile, so
     no second full-size temporary."""
     n, k = u8.shape
     tiles, kp = -(-n // 16), -(-k // group) * group
@@ -247,7 +247,7 @@ class Int8Linear(_QuantLinear):
         self.bias = bias
         self.cpu = q.device.type == "cpu"
         self._nbytes = out_f * in_f + out_f * 4 + (0 if gs is None else gs.numel() * 2)
-        self.kernel = self.cpu and _custom_ops.available()
+        self.kernel = self.cpu and custom_ops.available()
         if self.kernel:
             # int8 x + 128 as uint8 is x's bits with the top one flipped; padding 128 is 0.
             self.wpack = _tile_pack(q.view(torch.uint8) ^ 128, INT8_GROUP_SIZE, pad=128)
@@ -294,7 +294,7 @@ class Int4Linear(_QuantLinear):
         n, k = qw.shape
         self.bias = bias
         self.cpu = qw.data.device.type == "cpu"
-        self.kernel = self.cpu and _custom_ops.available()
+        self.kernel = self.cpu and custom_ops.available()
         self._nbytes = n * k // 2 + 2 * n * (k // INT4_GROUP_SIZE) * 2
         self.out_features = n
         if self.kernel:

@@ -7,11 +7,11 @@ residual add fused where it can be); RoPE cos/sin are precomputed for every posi
 K/V go into the paged cache with one indexed copy per layer. The logits are
 computed only for the rows that sample.
 
-On CPU in fp32, tandem's fused kernels (tandem._custom_ops: RMSNorm, RoPE plus
+On CPU in fp32, tandem's fused kernels (tandem.kernels.custom_ops: RMSNorm, RoPE plus
 the cache write, SiLU-and-mul, decode attention) replace ~15 small ops per
 layer; the torch code beside each call is the reference path used without them.
 Steps where every sequence decodes skip this forward altogether: the model
-runner hands them to tandem.model.decode_step, one C++ call for all layers.
+runner hands them to tandem.worker.decode_step, one C++ call for all layers.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem import _custom_ops
+from tandem.kernels import custom_ops
 from tandem.model.attention import AttentionMetadata, paged_attention
 from tandem.model.hf_config import tie_word_embeddings
 from tandem.model.kv_cache import KVCache
@@ -219,7 +219,7 @@ class LlamaModel:
         # rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]: one op fewer than cat.
         self.cos = torch.cat((freqs.cos(), freqs.cos()), -1).to(dev, dt)
         self.sin = torch.cat((-freqs.sin(), freqs.sin()), -1).to(dev, dt)
-        self.fused = dev.type == "cpu" and dt == torch.float32 and _custom_ops.available()
+        self.fused = dev.type == "cpu" and dt == torch.float32 and custom_ops.available()
 
     @property
     def device(self) -> torch.device:

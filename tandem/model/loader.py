@@ -148,9 +148,12 @@ class _Progress:
         self.total, self.done, self.t0, self.last = total, 0, time.monotonic(), time.monotonic()
         self.bar = None
         if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, desc=what, unit="layer", leave=False)
+            try:
+                from tqdm import tqdm  # installed with transformers, not required
+            except ImportError:
+                tqdm = None
+            if tqdm is not None:
+                self.bar = tqdm(total=total, desc=what, unit="layer", leave=False)
         self.what = what
 
     def step(self) -> None:

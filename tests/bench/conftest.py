@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from tandem.config import EngineConfig
 from tandem.engine.async_engine import AsyncEngine
-from tandem.server.app import ServerConfig
+from tandem.entrypoints.server.app import ServerConfig
 from tests.server.conftest import RunningServer, slow_down, start_server, tiny_engine
 from tests.serving import app_servers, serve_app
 

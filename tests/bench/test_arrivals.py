@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from tandem.bench.runner import arrival_times
-from tandem.cli import main
+from tandem.entrypoints.cli import main
+from tandem.tools.bench.runner import arrival_times
 from tests.bench.conftest import FakePlan
 
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from tandem.bench.serve import parse_sweep
-from tandem.cli import main
+from tandem.entrypoints.cli import main
+from tandem.tools.bench.serve import parse_sweep
 from tests.bench.conftest import API_KEY, FakePlan
 
 

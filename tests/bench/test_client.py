@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from tandem.bench.client import (
+from tandem.tools.bench.client import (
     RequestInput,
     _ollama_payload,
     _openai_payload,
     error_message,
 )
-from tandem.bench.datasets import SampleRequest
+from tandem.tools.bench.datasets import SampleRequest
 
 
 def _input(**kw) -> RequestInput:

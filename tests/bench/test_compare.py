@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from tandem.bench.compare import compare_table, ratio_text
-from tandem.cli import main
+from tandem.entrypoints.cli import main
+from tandem.tools.bench.compare import compare_table, ratio_text
 
 
 def _write(path, label: str, **values) -> str:

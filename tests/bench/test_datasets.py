@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from tandem.bench.datasets import DatasetArgs, load_chat_lengths, sample_requests
-from tandem.bench.tokens import PromptBuilder
+from tandem.tools.bench.datasets import DatasetArgs, load_chat_lengths, sample_requests
+from tandem.tools.bench.tokens import PromptBuilder
 
 
 class WordTokenizer:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tandem.cli import main
+from tandem.entrypoints.cli import main
 from tests.bench.conftest import FakePlan
 
 

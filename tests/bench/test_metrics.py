@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.bench.client import RequestResult
-from tandem.bench.metrics import (
+from tandem.tools.bench.client import RequestResult
+from tandem.tools.bench.metrics import (
     calculate_metrics,
     in_flight_timeline,
     parse_goodput,
@@ -13,7 +13,7 @@ from tandem.bench.metrics import (
     parse_percentiles,
     percentile_key,
 )
-from tandem.bench.report import build_result, format_table, strip_detailed
+from tandem.tools.bench.report import build_result, format_table, strip_detailed
 
 # The keys `vllm bench serve` writes (benchmark() + main_async(); per-request lists only
 # with --save-detailed), for --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 99.

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from tandem.bench.client import RequestResult
-from tandem.bench.phases import PhaseRow, conclusion, measure
-from tandem.cli import main
+from tandem.entrypoints.cli import main
+from tandem.tools.bench.client import RequestResult
+from tandem.tools.bench.phases import PhaseRow, conclusion, measure
 from tests.bench.conftest import API_KEY
 
 

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from tandem.cli import main
+from tandem.entrypoints.cli import main
 from tests.bench.conftest import API_KEY
 from tests.bench.test_metrics import VLLM_DETAILED_KEYS, VLLM_KEYS
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tandem.bench.server_metrics import Histogram, Snapshot, summarize
+from tandem.tools.bench.server_metrics import Histogram, Snapshot, summarize
 
 BEFORE = """\
 # HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from tandem.config import EngineConfig
+from tandem.core.scheduler import SchedulerOutput
 from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.scheduler import SchedulerOutput
-from tandem.model.decode_step import DecodeStep
 from tandem.sampling_params import SamplingParams
+from tandem.worker.decode_step import DecodeStep
 
 from .test_architectures import hf_model
 

@@ -60,7 +60,7 @@ def test_engine_flags_validated():
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "tandem.cli", *args],
+    return subprocess.run([sys.executable, "-m", "tandem.entrypoints.cli", *args],
                           capture_output=True, text=True, timeout=300)
 
 

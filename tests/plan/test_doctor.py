@@ -14,8 +14,8 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
-from tandem.cli import main
-from tandem.plan.doctor import (
+from tandem.entrypoints.cli import main
+from tandem.tools.doctor.diagnose import (
     Finding,
     Measurements,
     MetricsSample,
@@ -26,7 +26,7 @@ from tandem.plan.doctor import (
     prefill_rate,
     verdict,
 )
-from tandem.plan.doctor_probe import normalize_url
+from tandem.tools.doctor.probe import normalize_url
 from tests.plan.conftest import MODEL_SIZE
 from tests.serving import serve_app
 

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tandem.cli import main
+from tandem.entrypoints.cli import main
 from tandem.model.kv_cache import DenseKVCache, Int8KVCache
-from tandem.plan import capacity as cap
-from tandem.plan.engine_check import check_engine, compare, format_check
-from tandem.plan.presets import load_model
+from tandem.tools.plan import capacity as cap
+from tandem.tools.plan.engine_check import check_engine, compare, format_check
+from tandem.tools.plan.presets import load_model
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 96])

@@ -16,7 +16,7 @@ import pytest
 
 from tandem.config import EngineConfig
 from tandem.engine.async_engine import AsyncEngine
-from tandem.server.app import ServerConfig, build_app
+from tandem.entrypoints.server.app import ServerConfig, build_app
 from tests.serving import serve_app
 
 API_KEY = "test-key"

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from tandem.server.admission import OLLAMA_BUSY, Admission
-from tandem.server.app import ServerConfig
-from tandem.server.errors import APIError
+from tandem.entrypoints.server.admission import OLLAMA_BUSY, Admission
+from tandem.entrypoints.server.app import ServerConfig
+from tandem.entrypoints.server.errors import APIError
 from tests.server.conftest import slow_down, tiny_engine
 
 

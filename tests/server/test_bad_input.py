@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tandem.server.state import ServerState
+from tandem.entrypoints.server.state import ServerState
 from tests.server.conftest import tiny_engine
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -230,7 +230,7 @@ def test_an_unexpected_error_is_a_500_in_shape_on_a_kept_connection(
         raise RuntimeError("boom")
 
     monkeypatch.setattr(ServerState, "check_model", broken)
-    with caplog.at_level(logging.ERROR, logger="tandem.server"):
+    with caplog.at_level(logging.ERROR, logger="tandem.entrypoints.server"):
         for path, body in (("/v1/completions", {"prompt": [1]}),
                            ("/api/generate", {"model": s.model, "context": [1]})):
             status, message = post_keeping_connection(s.url, path, body, {})

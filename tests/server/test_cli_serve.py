@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from tandem.cli import main
+from tandem.entrypoints.cli import main
 
 
 def _free_port() -> int:
@@ -23,7 +23,7 @@ def _free_port() -> int:
 def test_serve_subprocess_end_to_end(tiny_config_path):
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "serve", "--model", tiny_config_path,
+        [sys.executable, "-m", "tandem.entrypoints.cli", "serve", "--model", tiny_config_path,
          "--load-format", "dummy", "--kv-cache-memory", "1MiB", "--max-model-len", "128",
          "--port", str(port), "--served-model-name", "tiny", "tiny-alias", "--max-queue", "3",
          "--no-access-log", "--skip-tokenizer-init"],

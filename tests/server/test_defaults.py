@@ -10,8 +10,8 @@ import gguf
 import httpx
 import pytest
 
-from tandem.server import defaults
-from tandem.server.app import ServerConfig
+from tandem.entrypoints.server import defaults
+from tandem.entrypoints.server.app import ServerConfig
 from tests.conftest import TINY_CONFIG
 from tests.server.conftest import tiny_engine
 
@@ -96,7 +96,7 @@ def test_bad_mode_names_the_flag():
 
 def test_server_applies_and_reports_the_models_defaults(start_server, tmp_path, caplog):
     d = _model_dir(tmp_path, {"temperature": 0.3, "top_k": 5, "max_new_tokens": 20})
-    with caplog.at_level(logging.INFO, logger="tandem.server"):
+    with caplog.at_level(logging.INFO, logger="tandem.entrypoints.server"):
         s = start_server(tiny_engine(str(d)), ServerConfig(max_queue=4))
         show = httpx.post(f"{s.url}/api/show", json={"model": s.model}, timeout=30).json()
     assert "temperature=0.3, top_k=5, max_tokens=20 (the model's generation_config.json)" \

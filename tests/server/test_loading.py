@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
-from tandem.cli import main
-from tandem.server.app import ServerConfig, build_app, run_server
+from tandem.entrypoints.cli import main
+from tandem.entrypoints.server.app import ServerConfig, build_app, run_server
 from tests.server.conftest import tiny_engine
 from tests.serving import serve_app
 

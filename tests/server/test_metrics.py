@@ -11,8 +11,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.server.app import ServerConfig
-from tandem.server.stats import StatsLogger
+from tandem.entrypoints.server.app import ServerConfig
+from tandem.entrypoints.server.stats import StatsLogger
 from tests.server.conftest import tiny_engine
 
 # vLLM's histogram buckets (vllm/v1/metrics/loggers.py), written out here on purpose.
@@ -78,7 +78,7 @@ def test_names_types_labels_and_buckets(server):
 def test_values_follow_requests(server, caplog):
     before = scrape(server)
     n_req, n_tok = 3, 6
-    with caplog.at_level(logging.INFO, logger="tandem.server"):
+    with caplog.at_level(logging.INFO, logger="tandem.entrypoints.server"):
         for _ in range(n_req):
             r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
                 "model": "tiny", "prompt": list(range(5, 14)), "max_tokens": n_tok,

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem import _custom_ops
+from tandem.kernels import custom_ops
 from tandem.model.attention import AttentionMetadata, build_group, paged_attention
 from tandem.model.kv_cache import DenseKVCache, Int8KVCache
 from tandem.model.linear import Int8Linear, quantize_activations
@@ -18,13 +18,13 @@ from tandem.model.linear import Int8Linear, quantize_activations
 from .test_kv_cache import padded_block_table
 
 CPU = torch.device("cpu")
-_custom_ops.available()  # loads torch.ops.tandem (test_kernels_are_built_here says if not)
+custom_ops.available()  # loads torch.ops.tandem (test_kernels_are_built_here says if not)
 ops = torch.ops.tandem
 
 
 def test_kernels_are_built_here():
     # CI machines have g++: the fast path must be what the other tests exercise.
-    assert _custom_ops.available(), "tandem's CPU kernels failed to build (see the warning)"
+    assert custom_ops.available(), "tandem's CPU kernels failed to build (see the warning)"
 
 
 def test_rms_norm_and_silu_and_mul():
@@ -113,7 +113,7 @@ def test_int8_kernel_matches_exact_arithmetic_and_is_batch_invariant(k, n, monke
     torch.testing.assert_close(big.double(), exact, atol=1e-5, rtol=1e-5)
     for rows in (slice(0, 1), slice(0, 3), slice(3, 11), slice(0, 40)):
         assert torch.equal(lin(x[rows]), big[rows])
-    monkeypatch.setattr(_custom_ops, "available", lambda: False)
+    monkeypatch.setattr(custom_ops, "available", lambda: False)
     ref = Int8Linear(w)
     assert not ref.kernel
     torch.testing.assert_close(ref(x), big, atol=1e-4, rtol=1e-4)
@@ -141,8 +141,9 @@ def test_matvec_matches_matmul_and_is_batch_invariant(k, n):
 
 
 def test_without_a_compiler_the_reference_paths_run(tmp_path):
-    code = ("from tandem import _custom_ops, LLM, SamplingParams\n"
-            "assert not _custom_ops.available()\n"
+    code = ("from tandem import LLM, SamplingParams\n"
+            "from tandem.kernels import custom_ops\n"
+            "assert not custom_ops.available()\n"
             "print('ok')\n")
     res = _run(code, CXX="/bin/false", TANDEM_CACHE=str(tmp_path))
     assert res.returncode == 0, res.stderr

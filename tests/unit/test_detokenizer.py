@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.core.detokenizer import IncrementalDetokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

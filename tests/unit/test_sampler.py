@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from tandem.model import sampler as sampler_mod
-from tandem.model.sampler import BLOCK, Sampler, SamplingMetadata, blocked_argmax
 from tandem.sampling_params import SamplingParams
+from tandem.worker import sampler as sampler_mod
+from tandem.worker.sampler import BLOCK, Sampler, SamplingMetadata, blocked_argmax
 
 EOS = 2
 

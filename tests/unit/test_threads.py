@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.config import EngineConfig, available_cpus, cgroup_cpu_quota, default_threads
-from tandem.engine.thread_tuner import ThreadTuner
+from tandem.worker.thread_tuner import ThreadTuner
 
 
 def _cgroup(tmp_path, lines: str, files: dict[str, str]):
@@ -149,7 +149,7 @@ def test_tuner_ignores_idle_steps_and_restores_on_errors():
 
 
 def test_cpu_times_reads_this_process():
-    from tandem.engine.thread_tuner import cpu_times
+    from tandem.worker.thread_tuner import cpu_times
 
     before = cpu_times()
     sum(i * i for i in range(200_000))

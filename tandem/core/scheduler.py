@@ -1,0 +1,168 @@
+"""The scheduler: one step's plan under a token budget (vLLM V1 semantics).
+
+Every step has ``max_num_batched_tokens``. Running requests take it first, in
+order: a decode costs 1 token, an unfinished prefill chunk up to the rest of
+the budget. Then waiting requests are admitted FCFS while budget, the sequence
+cap and free blocks allow; only the last admitted one may be chunked. Prefill
+chunks and decodes go through the model in one forward pass, so a long prompt
+never stalls running streams for a whole prefill. With
+``max_prefill_tokens_with_decodes`` set, a step in which any stream decodes
+gives prompts at most that many tokens (a chunk delays every decoding stream
+by its cost); such a step may then chunk a running prompt too.
+
+When a running request cannot get a block, the newest running request is
+preempted by recompute: its blocks are freed, its progress reset, and it goes
+back to the *front* of the waiting queue with its output kept. It is never
+failed or lost. A step that preempted admits nothing new. Admission keeps one
+free block per running request in reserve, so new arrivals do not push running
+requests straight into preemption.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerOutput:
+    """Which requests run this step and how many new tokens each."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.requests)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+        max_prefill_tokens_with_decodes: int | None = None,
+    ) -> None:
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = prefill = self.max_num_batched_tokens
+        cap = self.max_prefill_tokens_with_decodes
+        # A running request with one token left to compute is decoding.
+        if cap is not None and any(r.num_tokens - r.num_computed_tokens == 1
+                                   for r in self.running):
+            prefill = min(cap, budget)
+        kv = self.kv
+
+        # 1. Running requests first, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            left = req.num_tokens - req.num_computed_tokens
+            n = 1 if left == 1 else min(left, budget, prefill)
+            if n == 0:  # a prompt, and this step's prompt tokens are spent
+                i += 1
+                continue
+            while not kv.allocate_slots(req, n):
+                victim = self.running.pop()  # the newest running request
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.requests.append(req)
+                out.num_scheduled_tokens.append(n)
+                budget -= n
+                if left > 1:
+                    prefill -= n
+                i += 1
+                continue
+            break  # req itself was preempted: nothing older is left to try
+
+        # 2. Waiting requests, FCFS, unless this step had to preempt.
+        while (
+            not out.preempted
+            and self.waiting
+            and min(budget, prefill) > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            req = self.waiting[0]
+            hits, num_hit = kv.get_computed_blocks(req)
+            n = req.num_tokens - num_hit
+            if n > min(budget, prefill):
+                if not self.enable_chunked_prefill:
+                    break
+                n = min(budget, prefill)
+            if not kv.allocate_slots(req, n, hits, reserve_blocks=len(self.running)):
+                break
+            self.waiting.popleft()
+            kv.prefix_cache_queries += req.num_tokens
+            kv.prefix_cache_hits += num_hit
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            if req.times.first_scheduled is None:
+                req.times.first_scheduled = now
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.requests.append(req)
+            out.num_scheduled_tokens.append(n)
+            budget -= n
+            prefill -= n
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        logger.warning(
+            "Sequence group %s is preempted by PreemptionMode.RECOMPUTE mode because there "
+            "is not enough KV cache space. total_num_cumulative_preemption=%d",
+            req.request_id, self.num_preemptions,
+        )
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        """Remove a request wherever it is and free its blocks."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif not req.status.finished:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)

@@ -1,0 +1,330 @@
+"""The FastAPI app: both APIs, /metrics, /health, error shapes, the stats logger.
+
+``build_app(engine, ServerConfig(...))`` wires an EngineClient, or a loader
+that makes one in the background; ``serve`` is ``tandem serve``, which listens
+at once and loads the model behind a 503 "Loading model" (as llama-server does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import State
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tandem import __version__
+from tandem.engine.client import EngineClient
+from tandem.entrypoints.server import defaults, ollama, openai
+from tandem.entrypoints.server.admission import Admission
+from tandem.entrypoints.server.errors import APIError
+from tandem.entrypoints.server.metrics import ServerMetrics
+from tandem.entrypoints.server.model_card import ModelCard
+from tandem.entrypoints.server.state import ServerState
+from tandem.entrypoints.server.stats import StatsLogger
+
+logger = logging.getLogger("tandem.entrypoints.server")
+
+Loader = Callable[[], EngineClient]
+# Answer while the model loads: they need no engine, and clients probe them
+# to find out whether a server is there at all (Ollama's CLI: HEAD /).
+OPEN_WHILE_LOADING = frozenset({"/version", "/api/version", "/"})
+
+
+@dataclass
+class ServerConfig:
+    """Server-side settings (the engine's are in EngineConfig).
+
+    max_queue: requests allowed to wait beyond the running batch before new
+        ones get 503 + Retry-After; None = max_num_seqs (one batch's worth:
+        a waiting request starts within about one reply's time).
+    generation_config, override_generation_config: where sampling defaults
+        come from (see tandem.entrypoints.server.defaults; the override as checked by
+        defaults.parse_override).
+    """
+
+    served_model_names: list[str] | None = None
+    api_key: str | None = None
+    max_queue: int | None = None
+    max_body_bytes: int = 16 * 2**20
+    stats_interval_s: float = 10.0
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
+
+
+def build_app(engine: EngineClient | Loader, config: ServerConfig | None = None) -> FastAPI:
+    """The app over a loaded EngineClient, or over a loader that makes one.
+
+    Given an engine (tests, embedding), the app is ready at once. Given a
+    loader (``tandem serve``), the server can listen before a multi-GB model is
+    in memory: the lifespan runs the loader in a daemon thread, and until it
+    returns, ``app.state.tandem`` is None and one gate, the ``_UntilReady``
+    middleware in front of every route, answers 503 "Loading model" in the
+    route's API shape (all but OPEN_WHILE_LOADING). One gate rather than a
+    check per route or router because everything behind it, handlers, the
+    API-key dependency, /metrics, /health, reads the ServerState that only a
+    loaded engine can build; behind the gate they stay as they were.
+
+    If the loader raises, the exception is kept in ``app.state.load_error`` and
+    the gate says "The model failed to load"; what to do then (exit) is the
+    caller's decision: see run_server.
+    """
+    config = config or ServerConfig()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(_when_loaded(app, engine, config))
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    app = FastAPI(title="tandem", version=__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.tandem = None
+    app.state.load_error = None
+    if not callable(engine):  # an engine, not a loader
+        app.state.tandem = _server_state(engine, config)
+    app.add_middleware(_UntilReady, app_state=app.state)
+    app.add_middleware(_NoUnhandledErrors)
+    app.include_router(openai.router)
+    app.include_router(ollama.public)
+    app.include_router(ollama.router)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if app.state.tandem.engine.dead:
+            return JSONResponse({"error": "the engine loop is not running"}, status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(app.state.tandem.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    _install_error_handlers(app)
+    return app
+
+
+def _server_state(engine: EngineClient, config: ServerConfig) -> ServerState:
+    info = engine.model_info
+    max_queue = config.max_queue if config.max_queue is not None else info.max_num_seqs
+    card = ModelCard.from_engine(engine, config.served_model_names)
+    return ServerState(
+        engine=engine,
+        card=card,
+        admission=Admission(engine, max_queue),
+        metrics=ServerMetrics(engine, card.name),
+        api_key=config.api_key or None,
+        max_body_bytes=config.max_body_bytes,
+        defaults=defaults.resolve(config.generation_config, config.override_generation_config,
+                                  Path(info.model_dir), Path(card.root) if card.format == "gguf"
+                                  else None),
+    )
+
+
+async def _when_loaded(app: FastAPI, engine: EngineClient | Loader, config: ServerConfig) -> None:
+    """The lifespan's task: load if needed, open the gate, then log stats forever."""
+    if app.state.tandem is None:
+        loaded, error = await _in_daemon_thread(engine)
+        if error is not None:
+            app.state.load_error = error
+            return
+        app.state.tandem = _server_state(loaded, config)
+    state: ServerState = app.state.tandem
+    logger.info("serving %s (max_model_len %d, max_num_seqs %d, max_queue %d)",
+                state.card.name, state.card.max_model_len,
+                state.engine.model_info.max_num_seqs, state.admission.max_queue)
+    logger.info("sampling defaults for fields a request leaves out: %s; max_tokens: until "
+                "the model stops or the context is full (chat, /api/*), %d (/v1/completions)",
+                state.defaults.describe(), openai.COMPLETIONS_DEFAULT_MAX_TOKENS)
+    await StatsLogger(state.engine, config.stats_interval_s).run()
+
+
+async def _in_daemon_thread(load: Loader) -> tuple[EngineClient | None, BaseException | None]:
+    """(load(), None) or (None, what it raised), without blocking the event loop.
+
+    A daemon thread, not the loop's executor: asyncio.run waits for executor
+    threads at exit, so Ctrl-C during a minutes-long load would wait for it.
+    The exception is returned, not raised, so a KeyboardInterrupt in the loader
+    cannot escape into the event loop.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(result: tuple) -> None:
+        if not done.done():  # the server may have stopped waiting
+            done.set_result(result)
+
+    def run() -> None:
+        try:
+            result: tuple = (load(), None)
+        except BaseException as e:  # handed to the loop
+            result = (None, e)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            loop.call_soon_threadsafe(settle, result)
+
+    threading.Thread(target=run, name="tandem-load", daemon=True).start()
+    return await done
+
+
+class _UntilReady:
+    """ASGI middleware: the readiness gate (see build_app); a pass-through once loaded."""
+
+    def __init__(self, app: ASGIApp, app_state: State) -> None:
+        self.app = app
+        self.app_state = app_state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] == "http" and self.app_state.tandem is None
+                and scope["path"] not in OPEN_WHILE_LOADING):
+            failed = self.app_state.load_error is not None
+            err = APIError(503, "The model failed to load" if failed else "Loading model",
+                           error_type="unavailable_error",
+                           ollama_message="the model failed to load" if failed
+                           else "loading model")
+            await _render(Request(scope), err)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _render(request: Request, err: APIError) -> Response:
+    ollama_style = request.url.path.startswith("/api/")
+    body = err.ollama_body() if ollama_style else err.openai_body()
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError) -> Response:
+        if err.code == "server_overloaded":
+            app.state.tandem.metrics.rejections.inc()
+        return _render(request, err)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, err: RequestValidationError) -> Response:
+        return _render(request, APIError(400, f"invalid request: {err.errors()}"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> Response:
+        return _render(request, APIError(err.status_code, str(err.detail)))
+
+
+class _NoUnhandledErrors:
+    """ASGI middleware: an exception no handler turned into an APIError becomes a 500
+    in the route's API shape, logged on one line, and the connection stays open.
+
+    Starlette's own last-resort handler re-raises after answering, so uvicorn logs
+    a full traceback and closes the keep-alive connection under the client's next
+    request. If the response had started (a stream), its body is ended cleanly
+    instead. A client that left mid-upload needs no answer at all.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = ended = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started, ended
+            started = started or message["type"] == "http.response.start"
+            ended = ended or (message["type"] == "http.response.body"
+                              and not message.get("more_body", False))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except ClientDisconnect:
+            return
+        except Exception as e:
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            logger.error("unhandled %s on %s %s: %s (%s:%d)", type(e).__name__,
+                         scope["method"], scope["path"], e, frame.filename, frame.lineno)
+            if not started:
+                err = APIError(500, f"internal server error ({type(e).__name__})",
+                               code="internal_error")
+                await _render(Request(scope), err)(scope, receive, send)
+            elif not ended:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+# -------------------------------------------------------------------- CLI
+def serve(args, load: Loader) -> int:
+    """``tandem serve``: check the flags, then run_server with the model's loader."""
+    if args.max_queue is not None and args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.stats_interval <= 0:
+        raise ValueError(f"--stats-interval must be positive, got {args.stats_interval}")
+    generation_config = defaults.check_mode(args.generation_config)
+    override = defaults.parse_override(args.override_generation_config)
+
+    def logged_load() -> EngineClient:
+        engine = load()
+        logger.info("model loaded in %.1f s", engine.model_info.load_duration_s)
+        return engine
+
+    return run_server(logged_load, ServerConfig(
+        served_model_names=args.served_model_name, api_key=args.api_key,
+        max_queue=args.max_queue, stats_interval_s=args.stats_interval,
+        generation_config=generation_config, override_generation_config=override,
+    ), host=args.host, port=args.port, access_log=args.access_log)
+
+
+def run_server(load: Loader, config: ServerConfig, host: str, port: int,
+               access_log: bool = True) -> int:
+    """Listen at once, load in the background, serve until interrupted; 0 when stopped.
+
+    A failed load stops the server and its exception is re-raised here, in the
+    caller's thread, so ``tandem serve`` fails as it did when it loaded before
+    listening: the CLI prints a ValueError's message (no traceback) and exits 2;
+    anything else is a traceback.
+    """
+    import uvicorn
+
+    failure: list[BaseException] = []
+
+    def load_or_stop() -> EngineClient:
+        try:
+            return load()
+        except BaseException as e:
+            failure.append(e)
+            logger.error("the model failed to load: shutting down")
+            server.should_exit = True
+            raise
+
+    app = build_app(load_or_stop, config)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_config=None,
+                                           access_log=access_log, timeout_graceful_shutdown=5))
+    logger.info("loading the model: until it is ready, requests get 503 \"Loading model\"")
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises a caught SIGINT once it has shut down
+        pass
+    finally:
+        if app.state.tandem is not None:
+            app.state.tandem.engine.shutdown()
+    if failure:
+        raise failure[0]
+    return 0 if server.started else 1

@@ -1,0 +1,344 @@
+"""Ollama-compatible API: /api/generate, /api/chat, /api/tags, /api/show, /api/ps, /api/version.
+
+The final object of every generation carries Ollama's counters in integer
+nanoseconds, taken from the engine's own phase timings:
+
+* prompt_eval_count / prompt_eval_duration: prompt tokens actually computed
+  (a prefix-cache hit is not counted, as in Ollama) and the prefill time, so
+  their ratio is the real prefill speed;
+* eval_count / eval_duration: generated tokens and the decode time after the
+  first token, so (eval_count - 1) / eval_duration is the streaming speed;
+* total_duration: from the request's arrival to its last token, so
+  total - prompt_eval - eval is queueing plus server overhead;
+* load_duration: 0 — the model stays loaded, there is never a cold start.
+
+Streaming sends one NDJSON object per generated token, the last with
+``done: true`` and the counters, so eval_count equals the objects received.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from tandem import __version__
+from tandem.entrypoints.server.auth import require_api_key
+from tandem.entrypoints.server.errors import bad_request
+from tandem.entrypoints.server.generation import (
+    Generation,
+    make_sampling_params,
+    open_ended_max_tokens,
+    to_api_error,
+)
+from tandem.entrypoints.server.protocol import (
+    OllamaChatRequest,
+    OllamaGenerateRequest,
+    OllamaOptions,
+    OllamaShowRequest,
+)
+from tandem.entrypoints.server.state import ServerState
+from tandem.entrypoints.server.streaming import ClosingStreamingResponse, unless_disconnected
+from tandem.outputs import RequestOutput
+from tandem.sampling_params import SamplingParams
+
+# The Ollama API level these endpoints follow; clients gate features on it.
+OLLAMA_API_VERSION = "0.6.0"
+NEVER = "9999-12-31T23:59:59Z"  # keep_alive forever: the model is never unloaded
+
+public = APIRouter()
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.tandem
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@public.get("/")
+@public.head("/")
+async def root() -> PlainTextResponse:
+    return PlainTextResponse("Ollama is running")
+
+
+@public.get("/api/version")
+async def version() -> dict:
+    return {"version": OLLAMA_API_VERSION, "tandem_version": __version__}
+
+
+# ------------------------------------------------------------- model info
+def _tag(name: str) -> str:
+    return name if ":" in name else f"{name}:latest"
+
+
+def _details(state: ServerState) -> dict:
+    c = state.card
+    return {"parent_model": "", "format": c.format, "family": c.family, "families": [c.family],
+            "parameter_size": c.parameter_size, "quantization_level": c.quantization_level}
+
+
+@router.get("/api/tags")
+async def tags(request: Request) -> dict:
+    state = _state(request)
+    c = state.card
+    modified = datetime.fromtimestamp(c.created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"models": [
+        {"name": _tag(n), "model": _tag(n), "modified_at": modified, "size": c.size_bytes,
+         "digest": c.digest, "details": _details(state)}
+        for n in c.names
+    ]}
+
+
+@router.get("/api/ps")
+async def ps(request: Request) -> dict:
+    state = _state(request)
+    c = state.card
+    vram = c.size_bytes if c.device == "cuda" else 0
+    return {"models": [
+        {"name": _tag(c.name), "model": _tag(c.name), "size": c.size_bytes, "digest": c.digest,
+         "details": _details(state), "expires_at": NEVER, "size_vram": vram,
+         "context_length": c.max_model_len}
+    ]}
+
+
+@router.post("/api/show")
+async def show(request: Request) -> dict:
+    state = _state(request)
+    req = await state.read(request, OllamaShowRequest)
+    name = req.model or req.name
+    if not name:
+        raise bad_request("model is required", "model")
+    state.check_model(name, ollama=True)
+    c = state.card
+    cfg = state.engine.model_info
+    arch = c.family
+    params = [f"num_ctx {c.max_model_len}", *state.defaults.ollama_parameters()]
+    return {
+        "license": "",
+        "modelfile": "".join([f"# served by tandem {__version__}\nFROM {c.root}\n",
+                              f"# sampling defaults: {state.defaults.describe()}\n",
+                              *(f"PARAMETER {p}\n" for p in params)]),
+        "parameters": "\n".join(params),
+        "template": c.chat_template or "{{ .Prompt }}",
+        "details": _details(state),
+        "model_info": {
+            "general.architecture": arch,
+            "general.parameter_count": c.parameter_count,
+            f"{arch}.context_length": c.max_model_len,
+            f"{arch}.embedding_length": cfg.hidden_size,
+            f"{arch}.block_count": cfg.num_hidden_layers,
+            f"{arch}.attention.head_count": cfg.num_attention_heads,
+            f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
+        },
+        "capabilities": ["completion"],
+        "modified_at": datetime.fromtimestamp(c.created, timezone.utc).isoformat(),
+    }
+
+
+# ------------------------------------------------------------- generation
+@router.post("/api/generate")
+async def generate(request: Request):
+    t0 = time.monotonic()
+    state = _state(request)
+    req = await state.read(request, OllamaGenerateRequest)
+    model = _check_common(state, req)
+    if req.images:
+        raise bad_request("images are not supported")
+    if req.suffix:
+        raise bad_request("suffix (fill-in-the-middle) is not supported")
+    if req.template:
+        raise bad_request("a custom template is not supported; send raw=true with a "
+                          "formatted prompt")
+    if not req.prompt and not req.context:  # Ollama's "load the model" request
+        return {"model": model, "created_at": _now(), "response": "", "done": True,
+                "done_reason": "load"}
+    ids = list(req.context or [])
+    prompt = req.prompt or ""
+    if prompt:
+        if req.raw or not state.tokenizer.chat_template:
+            ids += (await state.encode([prompt], "prompt"))[0]
+        else:
+            messages = [{"role": "user", "content": prompt}]
+            if req.system:
+                messages.insert(0, {"role": "system", "content": req.system})
+            ids += await state.chat_ids(messages)
+    return await _run(request, state, req, model, ids, t0, chat=False)
+
+
+@router.post("/api/chat")
+async def chat(request: Request):
+    t0 = time.monotonic()
+    state = _state(request)
+    req = await state.read(request, OllamaChatRequest)
+    model = _check_common(state, req)
+    if req.tools:
+        raise bad_request("tool calling is not supported")
+    if not req.messages:
+        return {"model": model, "created_at": _now(),
+                "message": {"role": "assistant", "content": ""}, "done": True,
+                "done_reason": "load"}
+    messages = []
+    for i, m in enumerate(req.messages):
+        if m.images:
+            raise bad_request(f"messages[{i}]: images are not supported")
+        messages.append({"role": m.role, "content": m.content or ""})
+    ids = await state.chat_ids(messages)
+    return await _run(request, state, req, model, ids, t0, chat=True)
+
+
+def _check_common(state: ServerState, req: OllamaGenerateRequest | OllamaChatRequest) -> str:
+    if not req.model:
+        raise bad_request("model is required", "model")
+    state.check_model(req.model, ollama=True)
+    if req.format not in (None, ""):
+        raise bad_request("format (structured outputs) is not supported")
+    if req.think not in (None, False):
+        raise bad_request(f'"{req.model}" does not support thinking')
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+        raise bad_request(f"top_logprobs must be between 0 and 20, got {req.top_logprobs}")
+    return req.model
+
+
+def _params(state: ServerState, opts: OllamaOptions | None, prompt_len: int,
+            logprobs: int | None) -> SamplingParams:
+    o = opts or OllamaOptions()
+    window = state.card.max_model_len
+    if o.num_ctx is not None:
+        if o.num_ctx > window:
+            raise bad_request(f"num_ctx {o.num_ctx} exceeds this server's context window of "
+                              f"{window} tokens (--max-model-len); it is not silently capped")
+        if o.num_ctx < 1:
+            raise bad_request(f"num_ctx must be positive, got {o.num_ctx}")
+        window = o.num_ctx
+    max_tokens = o.num_predict
+    if max_tokens is None:
+        max_tokens = open_ended_max_tokens(state, prompt_len, window)
+    elif max_tokens < 0:
+        if max_tokens not in (-1, -2):
+            raise bad_request(f"num_predict must be -1, -2 or positive, got {max_tokens}")
+        max_tokens = None  # -1: until the model stops; -2: until the context is full
+    elif max_tokens == 0:
+        raise bad_request("num_predict must be -1, -2 or positive, got 0")
+    if o.num_ctx is not None:
+        want = max_tokens if max_tokens is not None else 1
+        if prompt_len + want > window:
+            raise bad_request(
+                f"the prompt ({prompt_len} tokens) plus num_predict ({want}) exceeds num_ctx "
+                f"({window}); shorten the prompt or raise num_ctx")
+        if max_tokens is None:
+            max_tokens = window - prompt_len
+    return make_sampling_params(
+        state, max_tokens, temperature=o.temperature, top_k=o.top_k, top_p=o.top_p,
+        min_p=o.min_p, seed=o.seed, stop=o.stop, repetition_penalty=o.repeat_penalty,
+        presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
+        logprobs=logprobs,
+    )
+
+
+async def _run(request: Request, state: ServerState,
+               req: OllamaGenerateRequest | OllamaChatRequest, model: str, ids: list[int],
+               t0: float, chat: bool) -> Response:
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = _params(state, req.options, len(ids), logprobs)
+    gen = Generation(state, state.new_id("ollama"), [ids], [params])
+    view = _View(state, model, gen, t0, chat)
+    await gen.start()
+    if req.stream:
+        return ClosingStreamingResponse(view.lines(), gen.close,
+                                        media_type="application/x-ndjson")
+    try:
+        outs = await unless_disconnected(request, gen.collect())
+    finally:
+        gen.close()
+    return JSONResponse(view.whole(outs[0]))
+
+
+class _View:
+    def __init__(self, state: ServerState, model: str, gen: Generation, t0: float, chat: bool
+                 ) -> None:
+        self.state = state
+        self.model = model
+        self.gen = gen
+        self.t0 = t0
+        self.chat = chat
+        self.tok = state.engine.tokenizer
+
+    def _object(self, text: str) -> dict:
+        obj: dict = {"model": self.model, "created_at": _now()}
+        if self.chat:
+            obj["message"] = {"role": "assistant", "content": text}
+        else:
+            obj["response"] = text
+        obj["done"] = False
+        return obj
+
+    def _finish(self, obj: dict, final: RequestOutput) -> dict:
+        m = final.metrics
+        total = time.monotonic() - self.t0
+        obj.update({
+            "done": True,
+            "done_reason": final.finish_reason,
+            "total_duration": _ns(total),
+            "load_duration": 0,
+            "prompt_eval_count": m.num_prompt_tokens - m.num_cached_tokens if m else 0,
+            "prompt_eval_duration": _ns(m.prefill_s) if m else 0,
+            "eval_count": m.num_output_tokens if m else len(final.outputs[0].token_ids),
+            "eval_duration": _ns(m.decode_s) if m else 0,
+        })
+        if not self.chat:
+            obj["context"] = list(final.prompt_token_ids) + list(final.outputs[0].token_ids)
+        return obj
+
+    def _logprobs(self, outs: list[RequestOutput]) -> list[dict]:
+        k = self.gen.choices[0].params.logprobs or 0
+        entries = []
+        for out in outs:
+            for tid, lps in zip(out.new_token_ids, out.new_logprobs or []):
+                top = sorted(lps.items(), key=lambda kv: -kv[1])[:k]
+                entries.append({"token": self._text(tid), "logprob": _finite(lps.get(tid)),
+                                "top_logprobs": [{"token": self._text(t), "logprob": _finite(v)}
+                                                 for t, v in top]})
+        return entries
+
+    def _text(self, tid: int) -> str:
+        return self.tok.decode([tid], skip_special_tokens=False) if self.tok else str(tid)
+
+    def whole(self, outs: list[RequestOutput]) -> dict:
+        final = outs[-1]
+        obj = self._finish(self._object(final.outputs[0].text), final)
+        if self.gen.choices[0].params.logprobs is not None:
+            obj["logprobs"] = self._logprobs(outs)
+        return obj
+
+    async def lines(self) -> AsyncIterator[bytes]:
+        want_lp = self.gen.choices[0].params.logprobs is not None
+        try:
+            async for _, out in self.gen:
+                obj = self._object(out.delta_text)
+                if want_lp:
+                    obj["logprobs"] = self._logprobs([out])
+                if out.finished:
+                    obj = self._finish(obj, out)
+                yield _line(obj)
+        except Exception as e:  # after the 200 went out: an error object ends the stream
+            yield _line(to_api_error(e).ollama_body())
+
+
+def _ns(seconds: float) -> int:
+    return max(0, int(round(seconds * 1e9)))
+
+
+def _finite(x: float | None) -> float:
+    return x if x is not None and math.isfinite(x) else -9999.0
+
+
+def _line(obj: dict) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"

@@ -1,0 +1,465 @@
+"""OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /tokenize.
+
+Shapes follow OpenAI's (and vLLM's extensions: top_k, min_p,
+repetition_penalty, stop_token_ids, ignore_eos, min_tokens, return_token_ids).
+Streaming sends one SSE chunk per generated token; a chat's role arrives with
+the first token, never before it, so the client's time to first token is the
+real one. Every final response (or final chunk) carries a ``tandem`` object
+with the request's queue, prefill and decode times, so an OpenAI client sees
+the same phase split an Ollama client gets from its counters.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from tandem.entrypoints.server.auth import require_api_key
+from tandem.entrypoints.server.errors import bad_request
+from tandem.entrypoints.server.generation import (
+    Generation,
+    fan_out,
+    make_sampling_params,
+    open_ended_max_tokens,
+    to_api_error,
+)
+from tandem.entrypoints.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TextPart,
+    TokenizeRequest,
+)
+from tandem.entrypoints.server.state import ServerState
+from tandem.entrypoints.server.streaming import ClosingStreamingResponse, unless_disconnected
+from tandem.outputs import RequestMetrics, RequestOutput
+from tandem.sampling_params import SamplingParams
+
+CompletionPrompt = str | list[str] | list[int] | list[list[int]]
+MAX_LOGPROBS = 20
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) legacy default
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.tandem
+
+
+# ------------------------------------------------------------------ models
+def _model_entry(state: ServerState, name: str) -> dict:
+    card = state.card
+    return {
+        "id": name, "object": "model", "created": card.created, "owned_by": "tandem",
+        "root": card.root, "parent": None, "max_model_len": card.max_model_len,
+        "permission": [],
+    }
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    state = _state(request)
+    return {"object": "list", "data": [_model_entry(state, n) for n in state.card.names]}
+
+
+@router.get("/v1/models/{model:path}")
+async def get_model(model: str, request: Request) -> dict:
+    state = _state(request)
+    if model not in state.card.names:
+        state.check_model(model)
+    return _model_entry(state, model)
+
+
+# -------------------------------------------------------------- tokenizer
+@router.post("/tokenize")
+async def tokenize(request: Request) -> dict:
+    state = _state(request)
+    req = await state.read(request, TokenizeRequest)
+    state.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("send either 'prompt' or 'messages'", "prompt")
+    if req.messages is not None:
+        ids = await _chat_ids(state, req.messages, req.add_generation_prompt)
+    else:
+        ids = (await state.encode([req.prompt], "prompt", req.add_special_tokens))[0]
+    return {"count": len(ids), "max_model_len": state.card.max_model_len, "tokens": ids}
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> dict:
+    state = _state(request)
+    req = await state.read(request, DetokenizeRequest, state.max_text_chars)
+    state.check_model(req.model)
+    tok = state.tokenizer
+    vocab = state.engine.model_info.vocab_size
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+    return {"prompt": await state.off_loop(tok.decode, req.tokens, False)}
+
+
+# ------------------------------------------------------------ completions
+@router.post("/v1/completions")
+async def completions(request: Request):
+    state = _state(request)
+    req = await state.read(request, CompletionRequest)
+    state.check_model(req.model)
+    if req.suffix:
+        raise bad_request("suffix (fill-in-the-middle) is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of is not supported (use n)", "best_of")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs needs prompt logprobs, which tandem does not "
+                          "compute", "echo")
+    _check_logprobs(req.logprobs, "logprobs")
+    batch = isinstance(req.prompt, list) and bool(req.prompt) and \
+        not isinstance(req.prompt[0], int)
+    state.check_fan_out(req.n, len(req.prompt) if batch else 1)
+    params = _params(state, req, req.max_tokens if req.max_tokens is not None
+                     else COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs)
+    prompts = await _completion_prompts(state, req.prompt)
+    per_prompt = fan_out(params)
+    echo = [await _echo_text(state, req.prompt, ids, i) if req.echo else "" for i, ids in
+            enumerate(prompts)]
+    gen = Generation(state, state.new_id("cmpl"), [ids for ids in prompts for _ in per_prompt],
+                     per_prompt * len(prompts))
+    view = _View(state, req.model or state.card.name, gen, len(per_prompt), req.return_token_ids)
+    await gen.start()  # from here on, gen.close() must run: the response or finally does it
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _sse(gen, view.completion_chunks(echo, include_usage))
+    try:
+        outs = await unless_disconnected(request, gen.collect())
+    finally:
+        gen.close()
+    return JSONResponse(view.completion_response(outs, echo))
+
+
+async def _completion_prompts(state: ServerState, prompt: CompletionPrompt) -> list[list[int]]:
+    """The four OpenAI prompt forms: str, [str], [int], [[int]] -> token id lists."""
+    if isinstance(prompt, list) and not prompt:
+        raise bad_request("prompt must not be an empty list", "prompt")
+    if isinstance(prompt, str) or isinstance(prompt[0], str):
+        return await state.encode([prompt] if isinstance(prompt, str) else prompt, "prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return [list(p) for p in prompt]
+
+
+async def _echo_text(state: ServerState, prompt: CompletionPrompt, ids: list[int], i: int
+                     ) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return prompt[i]
+    return await state.off_loop(state.tokenizer.decode, ids) if state.has_tokenizer else ""
+
+
+# ------------------------------------------------------------------- chat
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    state = _state(request)
+    req = await state.read(request, ChatCompletionRequest)
+    state.check_model(req.model)
+    if req.tools or req.functions:
+        raise bad_request("tool calling is not supported", "tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request("response_format other than text (JSON mode) is not supported",
+                          "response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    _check_logprobs(req.top_logprobs, "top_logprobs")
+    state.check_fan_out(req.n)
+    ids = await _chat_ids(state, req.messages, req.add_generation_prompt)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+        else req.max_tokens
+    if max_tokens is None:
+        max_tokens = open_ended_max_tokens(state, len(ids))
+    params = _params(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    per_choice = fan_out(params)
+    gen = Generation(state, state.new_id("chatcmpl"), [ids] * len(per_choice), per_choice)
+    view = _View(state, req.model or state.card.name, gen, len(per_choice), req.return_token_ids)
+    await gen.start()
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _sse(gen, view.chat_chunks(include_usage))
+    try:
+        outs = await unless_disconnected(request, gen.collect())
+    finally:
+        gen.close()
+    return JSONResponse(view.chat_response(outs))
+
+
+def flatten_content(content: str | list[TextPart] | None, where: str) -> str:
+    """OpenAI's list-of-parts content -> text (parts joined by newlines, as vLLM does)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"{where}.content[{j}]: only text parts are supported, "
+                              f"got type {part.type!r}", "messages")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+async def _chat_ids(state: ServerState, messages: list[ChatMessage],
+                    add_generation_prompt: bool) -> list[int]:
+    """The chat template's token ids, rendered and encoded in a tokenizer thread.
+
+    OpenAI's "developer" role is its newer name for "system", which is what
+    chat templates know.
+    """
+    if not messages:
+        raise bad_request("messages must not be empty", "messages")
+    flat = [{"role": "system" if m.role == "developer" else m.role,
+             "content": flatten_content(m.content, f"messages[{i}]")}
+            for i, m in enumerate(messages)]
+    return await state.chat_ids(flat, add_generation_prompt)
+
+
+# ---------------------------------------------------------------- helpers
+def _check_logprobs(k: int | None, param: str) -> None:
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise bad_request(f"{param} must be between 0 and {MAX_LOGPROBS}, got {k}", param)
+
+
+def _params(state: ServerState, req: CompletionRequest | ChatCompletionRequest,
+            max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    return make_sampling_params(
+        state, max_tokens, n=req.n, temperature=req.temperature, top_p=req.top_p,
+        top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop,
+        stop_token_ids=req.stop_token_ids, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+        ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
+    )
+
+
+def _sse(gen: Generation, chunks: AsyncIterator[dict]) -> ClosingStreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield _event(chunk)
+        except Exception as e:  # after the 200 went out: an error event, then [DONE]
+            yield _event(to_api_error(e).openai_body())
+        yield b"data: [DONE]\n\n"
+
+    return ClosingStreamingResponse(body(), gen.close, media_type="text/event-stream",
+                                    headers={"Cache-Control": "no-cache"})
+
+
+def _event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() \
+        + b"\n\n"
+
+
+def phase_split(m: RequestMetrics | None) -> dict | None:
+    """The ``tandem`` extension: where this request's time went."""
+    if m is None:
+        return None
+    return {
+        "queue_s": round(m.queued_s, 6), "prefill_s": round(m.prefill_s, 6),
+        "decode_s": round(m.decode_s, 6),
+        "ttft_s": None if m.ttft_s is None else round(m.ttft_s, 6),
+        "e2e_s": None if m.e2e_s is None else round(m.e2e_s, 6),
+        "prefill_tokens_per_s": round(m.prefill_tokens_per_s, 2),
+        "decode_tokens_per_s": round(m.decode_tokens_per_s, 2),
+        "prompt_tokens": m.num_prompt_tokens, "cached_tokens": m.num_cached_tokens,
+        "output_tokens": m.num_output_tokens, "preemptions": m.num_preemptions,
+    }
+
+
+_NEG = -9999.0  # vLLM's stand-in for -inf: JSON has no infinities
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else _NEG
+
+
+class _View:
+    """Renders one Generation's outputs as OpenAI JSON (whole responses or chunks)."""
+
+    def __init__(self, state: ServerState, model: str, gen: Generation, n: int,
+                 return_token_ids: bool) -> None:
+        self.state = state
+        self.tok = state.engine.tokenizer
+        self.model = model
+        self.gen = gen
+        self.n = n  # choices per prompt
+        self.return_token_ids = return_token_ids
+        self.created = int(time.time())
+        self._offsets = [0] * len(gen.choices)
+
+    # --------------------------------------------------------- shared parts
+    def _finals(self) -> list[RequestOutput | None]:
+        return [c.final for c in self.gen.choices]
+
+    def usage(self) -> dict:
+        finals = self._finals()
+        prompt = cached = completion = 0
+        for i, c in enumerate(self.gen.choices):
+            m = finals[i].metrics if finals[i] is not None else None
+            completion += m.num_output_tokens if m else c.num_tokens
+            if i % self.n == 0:  # a prompt shared by n choices is counted once
+                prompt += len(c.prompt_ids)
+                cached += m.num_cached_tokens if m else 0
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def tandem(self) -> dict | None:
+        splits = [phase_split(f.metrics) if f is not None else None for f in self._finals()]
+        if not splits or splits[0] is None:
+            return None
+        out = dict(splits[0])
+        if len(splits) > 1:
+            out["choices"] = splits
+        return out
+
+    def _token_text(self, tid: int) -> str:
+        if self.tok is None:
+            return f"token_id:{tid}"
+        return self.tok.decode([tid], skip_special_tokens=False)
+
+    def _logprob_entries(self, out: RequestOutput, k: int) -> list[tuple[str, float, list]]:
+        entries = []
+        for tid, lps in zip(out.new_token_ids, out.new_logprobs or []):
+            top = sorted(lps.items(), key=lambda kv: -kv[1])[:k]
+            entries.append((self._token_text(tid), _finite(lps.get(tid, _NEG)),
+                            [(self._token_text(t), _finite(lp)) for t, lp in top]))
+        return entries
+
+    def _completion_logprobs(self, index: int, outs: list[RequestOutput], k: int) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for out in outs:
+            for text, lp, top in self._logprob_entries(out, k):
+                tokens.append(text)
+                token_lps.append(lp)
+                tops.append(dict(top))
+                offsets.append(self._offsets[index])
+                self._offsets[index] += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, outs: list[RequestOutput], k: int) -> dict:
+        content = []
+        for out in outs:
+            for text, lp, top in self._logprob_entries(out, k):
+                content.append({
+                    "token": text, "logprob": lp, "bytes": list(text.encode()),
+                    "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                                     for t, v in top],
+                })
+        return {"content": content}
+
+    def _header(self, obj: str) -> dict:
+        return {"id": self.gen.request_id, "object": obj, "created": self.created,
+                "model": self.model}
+
+    # ------------------------------------------------------------ completions
+    def completion_response(self, outs: list[list[RequestOutput]], echo: list[str]) -> dict:
+        choices = []
+        for c, c_outs in zip(self.gen.choices, outs):
+            final = c_outs[-1]
+            prefix = echo[c.index // self.n]
+            k = c.params.logprobs
+            self._offsets[c.index] = len(prefix)
+            choice = {
+                "index": c.index, "text": prefix + final.outputs[0].text,
+                "logprobs": None if k is None else self._completion_logprobs(c.index, c_outs, k),
+                "finish_reason": final.finish_reason, "stop_reason": final.outputs[0].stop_reason,
+            }
+            if self.return_token_ids:
+                choice["prompt_token_ids"] = c.prompt_ids
+                choice["token_ids"] = final.outputs[0].token_ids
+            choices.append(choice)
+        return {**self._header("text_completion"), "choices": choices, "usage": self.usage(),
+                "tandem": self.tandem()}
+
+    def completion_chunks(self, echo: list[str], include_usage: bool) -> AsyncIterator[dict]:
+        def body(index: int, out: RequestOutput, first: bool) -> dict:
+            text = out.delta_text
+            if first:  # echo: the prompt precedes the first token's text
+                prefix = echo[index // self.n]
+                self._offsets[index] = len(prefix)
+                text = prefix + text
+            k = self.gen.choices[index].params.logprobs
+            return {"text": text,
+                    "logprobs": None if k is None else self._completion_logprobs(index, [out], k)}
+
+        return self._chunks("text_completion", include_usage, body)
+
+    async def _chunks(
+        self, obj: str, include_usage: bool,
+        body: Callable[[int, RequestOutput, bool], dict],
+    ) -> AsyncIterator[dict]:
+        """The streaming loop both endpoints share; body(index, out, first) gives the
+        choice's text or delta and logprobs."""
+        started: set[int] = set()
+        left = len(self.gen.choices)
+        async for index, out in self.gen:
+            first = index not in started
+            started.add(index)
+            choice = {"index": index, **body(index, out, first),
+                      "finish_reason": out.finish_reason if out.finished else None}
+            if out.finished:
+                choice["stop_reason"] = out.outputs[0].stop_reason
+                left -= 1
+            if self.return_token_ids:
+                choice["token_ids"] = out.new_token_ids
+            chunk = {**self._header(obj), "choices": [choice]}
+            yield self._finish_chunk(chunk, include_usage, last=left == 0)
+        if include_usage:
+            yield {**self._header(obj), "choices": [], "usage": self.usage(),
+                   "tandem": self.tandem()}
+
+    def _finish_chunk(self, chunk: dict, include_usage: bool, last: bool) -> dict:
+        if include_usage:
+            chunk["usage"] = None
+        elif last:
+            chunk["tandem"] = self.tandem()
+        return chunk
+
+    # ------------------------------------------------------------------ chat
+    def chat_response(self, outs: list[list[RequestOutput]]) -> dict:
+        choices = []
+        for c, c_outs in zip(self.gen.choices, outs):
+            final = c_outs[-1]
+            k = c.params.logprobs
+            choice = {
+                "index": c.index,
+                "message": {"role": "assistant", "content": final.outputs[0].text},
+                "logprobs": None if k is None else self._chat_logprobs(c_outs, k),
+                "finish_reason": final.finish_reason, "stop_reason": final.outputs[0].stop_reason,
+            }
+            if self.return_token_ids:
+                choice["token_ids"] = final.outputs[0].token_ids
+            choices.append(choice)
+        resp = {**self._header("chat.completion"), "choices": choices, "usage": self.usage(),
+                "tandem": self.tandem()}
+        if self.return_token_ids:
+            resp["prompt_token_ids"] = self.gen.choices[0].prompt_ids
+        return resp
+
+    def chat_chunks(self, include_usage: bool) -> AsyncIterator[dict]:
+        def body(index: int, out: RequestOutput, first: bool) -> dict:
+            # The role travels with the first token, so client-side TTFT is honest.
+            delta = {"role": "assistant"} if first else {}
+            delta["content"] = out.delta_text
+            k = self.gen.choices[index].params.logprobs
+            return {"delta": delta,
+                    "logprobs": None if k is None else self._chat_logprobs([out], k)}
+
+        return self._chunks("chat.completion.chunk", include_usage, body)

@@ -1,0 +1,272 @@
+"""Request bodies of both APIs, as pydantic models.
+
+Unknown fields are ignored (as vLLM and Ollama do), so newer SDKs keep
+working; known fields are type-checked here and range-checked by
+SamplingParams, and both failures become a 400 that names the field.
+Known features tandem does not implement (tools, JSON mode, images, logit
+bias) are rejected explicitly rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
+
+from tandem.entrypoints.server.errors import APIError, from_validation_error
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+B = TypeVar("B", bound=_Body)
+logger = logging.getLogger("tandem.entrypoints.server")
+
+
+# ------------------------------------------------------------------ OpenAI
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _OpenAISampling(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions (vLLM's extensions too)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # accepted and ignored (OpenAI uses it for abuse monitoring)
+    # vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(_Body):
+    type: str
+    text: str | None = None
+
+
+# OpenAI's roles: any other is a 400, as OpenAI answers (a typo such as
+# "assitant" would otherwise reach the chat template as a role of its own).
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
+class ChatMessage(_Body):
+    role: ChatRole
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ------------------------------------------------------------------ Ollama
+class OllamaOptions(_Body):
+    """The Modelfile parameters tandem honours; the rest (mirostat, num_gpu...) are ignored."""
+
+    num_predict: int | None = None
+    num_ctx: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+class _OllamaBody(_Body):
+    model: str | None = None
+    stream: bool = True
+    options: OllamaOptions | None = None
+    format: str | dict[str, Any] | None = None
+    keep_alive: float | str | None = None  # the model always stays loaded
+    think: bool | str | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class OllamaGenerateRequest(_OllamaBody):
+    prompt: str | None = None
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    raw: bool = False
+    images: list[Any] | None = None
+
+
+class OllamaMessage(_Body):
+    role: str  # passed to the chat template as is, as Ollama does
+    content: str | None = ""
+    images: list[Any] | None = None
+    tool_calls: list[Any] | None = None
+
+
+class OllamaChatRequest(_OllamaBody):
+    messages: list[OllamaMessage] = Field(default_factory=list)
+    tools: list[Any] | None = None
+
+
+class OllamaShowRequest(_Body):
+    model: str | None = None
+    name: str | None = None  # older clients send "name"
+    verbose: bool = False
+
+
+# ------------------------------------------------------------ reading bodies
+async def read_json(request: Request, max_bytes: int) -> dict:
+    """The request's JSON object, or a 4xx that says what is wrong with it.
+
+    The size bound is checked against Content-Length before reading and again
+    while reading (chunked bodies), so a huge body is refused without being
+    held in memory.
+    """
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > max_bytes:
+        raise APIError(413, f"request body of {int(length)} bytes exceeds the limit of "
+                            f"{max_bytes} bytes")
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > max_bytes:
+            raise APIError(413, f"request body exceeds the limit of {max_bytes} bytes")
+    if not buf:
+        raise APIError(400, "the request body is empty; send a JSON object")
+    try:
+        body = json.loads(buf)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    if _SURROGATE_ESCAPE.search(buf):
+        where = _lone_surrogate(body)
+        if where is not None:
+            raise APIError(400, f"{where} contains a lone UTF-16 surrogate (\\ud800-\\udfff "
+                                "without its pair), which is not valid Unicode", param=where)
+    return body
+
+
+# A \uD800-\uDFFF escape: the only way a JSON body decodes to a str that is not
+# valid Unicode (raw surrogate bytes already fail UTF-8 decoding); pairs decode
+# to one character, lone ones stay and break the tokenizer and UTF-8 output.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(body: dict) -> str | None:
+    """The path (``messages[0].content``) of the first string holding a lone surrogate.
+
+    Iterative: the body may be nested as deeply as json.loads allows. A bad key
+    is named with the surrogate escaped, so the message itself stays valid UTF-8.
+    """
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str) and not _is_unicode(value):
+            return path or "body"
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if not _is_unicode(k):
+                    k = k.encode("utf-8", "backslashreplace").decode()
+                    return f"{path}.{k}" if path else k
+                stack.append((f"{path}.{k}" if path else k, v))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def parse_body(model: type[B], body: dict, max_items: int | None = None) -> B:
+    """Validate; unknown top-level fields are ignored but logged (so a typo is findable).
+
+    With ``max_items``, longer lists are refused before validation, whose cost grows
+    with them (0.6 s for a prompt of 2.6 million token ids, the event loop held).
+    """
+    if max_items is not None:
+        _check_lengths(body, max_items)
+    try:
+        parsed = model.model_validate(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+    ignored = body.keys() - model.model_fields.keys()
+    if ignored:
+        logger.warning("fields present in the request but ignored: %s", sorted(ignored))
+    return parsed
+
+
+def _check_lengths(body: dict, max_items: int) -> None:
+    """The body's lists, the lists in them and the lists in their objects (a message's
+    content parts) at most max_items long; a 400 naming the first that is not."""
+    for name, value in body.items():
+        if not isinstance(value, list):
+            continue
+        lists = [(name, value)]
+        if len(value) <= max_items:
+            for i, item in enumerate(value):
+                inner = item.items() if isinstance(item, dict) else [("", item)]
+                lists += [(f"{name}[{i}]" + (f".{k}" if k else ""), v) for k, v in inner
+                          if isinstance(v, list)]
+        for where, items in lists:
+            if len(items) > max_items:
+                raise APIError(400, f"{where} has {len(items)} items, more than this server "
+                                    f"accepts ({max_items})", param=name)

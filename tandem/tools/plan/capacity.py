@@ -1,0 +1,764 @@
+"""Capacity arithmetic: back-of-the-envelope serving calculations, as pure functions.
+
+Everything here is arithmetic on a model's shape and a device's two numbers
+(bytes held, bytes read per second), so every result can be shown as a formula
+with the numbers filled in and checked by hand. Stated assumptions:
+
+* Weights. fp32 = 4 B, bf16/fp16 = 2 B per parameter. int8 stores each matmul
+  weight in 1 B plus one fp32 scale per output channel; int4 packs two weights
+  per byte plus an fp16 scale and an fp16 zero point per group of 32 inputs
+  (5 bits per weight, like GGUF Q4_1). Quantization covers the matmuls (q, k,
+  v, o, gate, up, down and the LM head); norms and biases stay 16-bit. An
+  untied input embedding stays 16-bit: decode gathers one row of it per token,
+  so quantizing it saves memory but no bandwidth. A tied embedding is the LM
+  head and is quantized with it (one copy). ``file`` (GGUF only) uses the
+  tensors' bytes as stored.
+* Bytes read per decode step = all weights except an untied input embedding
+  (a row lookup, not a full read), plus the KV cache of the context so far.
+* KV per token = 2 x layers x kv_heads x head_dim x bytes per element. 16-bit
+  is 2 B; fp8 is 1 B (one scale per tensor, negligible); int8 is tandem's
+  layout (``Int8KVCache``): 1 B plus one fp32 scale per token and head, i.e.
+  1 + 4 / head_dim B (1.0625 B at head_dim 64, 1.03125 B at 128); q8_0 is
+  llama.cpp's: 1 B plus an fp16 scale per 32 elements = 1.0625 B. ``auto``
+  follows the weights: fp32 weights give an fp32 cache, anything else 16-bit.
+* Memory for the cache = memory x utilization - reserve - weights - the
+  activation peak of one step (what the engine's warm-up would measure).
+  GPUs default to utilization 0.92 and no reserve (vLLM's default); CPUs to
+  all of memory minus a 2 GiB reserve for the OS, Python, torch and the server.
+* Cache is allocated in blocks of 16 tokens (tandem's default), and a
+  full-context conversation holds ceil(context / 16) blocks.
+* A decode step reads the weights once for the whole batch and each
+  sequence's KV; it takes max(bytes / bandwidth, FLOPs / (50% of peak)). KV
+  reads are counted at the full context (the end of a conversation: the
+  conservative case).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tandem.tools.plan.devices import GB, Device, GiB, MiB
+from tandem.tools.plan.presets import ModelSpec
+
+WEIGHT_DTYPES = ("auto", "fp32", "bf16", "fp16", "int8", "int4", "file")
+KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "16bit", "fp8", "int8", "8bit", "q8_0")
+INT4_GROUP = 32
+KV8_GROUP = 32
+KV8_DTYPES = ("int8", "fp8", "q8_0")
+BLOCK_SIZE = 16
+DEFAULT_GPU_UTILIZATION = 0.92
+DEFAULT_CPU_RESERVE = 2 * GiB
+COMPUTE_EFFICIENCY = 0.5  # fraction of peak FLOPs a real step reaches
+READABLE_TOK_S = 10.0  # below this, text types out slower than people like to read
+PREFILL_BUDGET = {"gpu": 2048, "cpu": 512}  # without a compute peak to size it by
+CHUNK_STALL_S = 0.25  # a prefill chunk may hold running streams back this long
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    total: int  # resident in memory
+    read_per_token: int  # read by each decode step
+    embedding: int  # untied input embedding (resident, not read per step); 0 if tied
+    dtype: str
+
+
+def dense_bytes(dtype: str) -> int:
+    """Bytes per element of what is not quantized (norms, biases, embeddings)."""
+    return 4 if dtype == "fp32" else 2
+
+
+def linear_bytes(n_in: int, n_out: int, dtype: str) -> int:
+    """Bytes of one n_in x n_out matmul weight, quantization scales included."""
+    n = n_in * n_out
+    if dtype == "fp32":
+        return 4 * n
+    if dtype in ("bf16", "fp16"):
+        return 2 * n
+    if dtype == "int8":
+        return n + 4 * n_out  # fp32 scale per output channel
+    if dtype == "int4":
+        groups = math.ceil(n_in / INT4_GROUP) * n_out
+        return math.ceil(n / 2) + 4 * groups  # fp16 scale + fp16 zero per group
+    raise ValueError(f"unknown weight dtype {dtype!r}")
+
+
+def resolve_dtype(spec: ModelSpec, dtype: str) -> str:
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"unknown --dtype {dtype!r}; choose from {', '.join(WEIGHT_DTYPES)}")
+    if dtype == "auto":
+        return spec.default_dtype
+    if dtype == "file" and spec.file_weight_bytes is None:
+        raise ValueError("--dtype file needs a GGUF model (it counts the tensors as stored)")
+    return dtype
+
+
+def weight_bytes(spec: ModelSpec, dtype: str) -> WeightBytes:
+    """Resident weight bytes and the bytes one decode step reads."""
+    dtype = resolve_dtype(spec, dtype)
+    if dtype == "file":
+        assert spec.file_weight_bytes is not None
+        emb = 0 if spec.tie_word_embeddings else (spec.file_embedding_bytes or 0)
+        return WeightBytes(spec.file_weight_bytes, spec.file_weight_bytes - emb, emb, dtype)
+    small = sum(spec.small_params().values()) * dense_bytes(dtype)
+    matmuls = sum(linear_bytes(x.n_in, x.n_out, dtype) * x.count for x in spec.linears())
+    emb = 0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size * dense_bytes(dtype)
+    total = matmuls + small + emb
+    return WeightBytes(total, total - emb, emb, dtype)
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, weight_dtype: str) -> str:
+    """Normalise the KV dtype name; ``auto`` follows the weights (fp32 or 16-bit)."""
+    kv = kv_cache_dtype.lower()
+    if kv not in KV_DTYPES:
+        raise ValueError(
+            f"unknown --kv-cache-dtype {kv_cache_dtype!r}; choose from {', '.join(KV_DTYPES)}"
+        )
+    if kv == "auto":
+        return "fp32" if weight_dtype == "fp32" else "bf16"
+    return {"16bit": "bf16", "8bit": "int8"}.get(kv, kv)
+
+
+def kv_element_bytes(kv_dtype: str, head_dim: int) -> float:
+    """Bytes per cached K or V element, scales included.
+
+    int8 is tandem's own cache (an fp32 scale per token and head, so the
+    overhead depends on head_dim); q8_0 is llama.cpp's (fp16 per 32 elements).
+    """
+    return {
+        "fp32": 4.0,
+        "bf16": 2.0,
+        "fp16": 2.0,
+        "fp8": 1.0,
+        "int8": 1.0 + 4.0 / head_dim,
+        "q8_0": 1.0 + 2.0 / KV8_GROUP,
+    }[kv_dtype]
+
+
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, element_bytes: float
+) -> float:
+    """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
+    return 2 * num_layers * num_kv_heads * head_dim * element_bytes
+
+
+def activation_bytes(spec: ModelSpec, batched_tokens: int, act_bytes: int, logit_rows: int) -> int:
+    """Peak activation memory of one step of ``batched_tokens`` tokens.
+
+    The widest live set inside a layer (residual, normed input, q/k/v, gate and
+    up, their product) plus fp32 logits for the rows that are sampled. Small
+    next to the weights, but it is what the engine's warm-up subtracts.
+    """
+    h, i = spec.hidden_size, spec.intermediate_size
+    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    per_token = 2 * h + qkv + 3 * i
+    return batched_tokens * per_token * act_bytes + logit_rows * spec.vocab_size * 4
+
+
+def cache_blocks(cache_bytes: float, kv_per_token: float, block_size: int = BLOCK_SIZE) -> int:
+    """Whole blocks of ``block_size`` tokens that fit in ``cache_bytes`` (0 if negative)."""
+    if cache_bytes <= 0:
+        return 0
+    return int(cache_bytes // (kv_per_token * block_size))
+
+
+def conversations_fit(blocks: int, context: int, block_size: int = BLOCK_SIZE) -> int:
+    """Full-context conversations the block pool holds at once."""
+    return blocks // math.ceil(context / block_size)
+
+
+def decode_ceiling(bandwidth_bytes_s: float, bytes_per_token: float) -> float:
+    """Single-stream tokens/s when every step must read ``bytes_per_token``."""
+    return bandwidth_bytes_s / bytes_per_token
+
+
+def in_flight(users: float, gen_seconds: float, turn_seconds: float) -> float:
+    """Streams generating at once: users x share of their time spent generating."""
+    return users * gen_seconds / turn_seconds
+
+
+def recommend_max_num_seqs(
+    load: float, fits: int, *, bursty: bool, users: float | None = None
+) -> tuple[int, int]:
+    """(wanted, recommended) sequence cap.
+
+    Chat users arrive at random, so the number in flight is roughly Poisson
+    around its mean: mean + 2 standard deviations (~98% of moments) is
+    "slightly above" and still small. Agents and batch jobs never idle, so
+    they need exactly their stream count. The cache caps it: past what fits at
+    full context the engine would preempt instead of serve.
+    """
+    if bursty:
+        wanted = max(1, math.ceil(load + 2 * math.sqrt(load)))
+        if users is not None:
+            wanted = min(wanted, max(1, math.ceil(users)))
+    else:
+        wanted = max(1, math.ceil(load))
+    return wanted, min(wanted, fits)
+
+
+def decode_flops_per_token(spec: ModelSpec, context: int) -> float:
+    """2 x matmul weights + attention over ``context`` keys (QK and PV)."""
+    matmul = sum(x.params for x in spec.linears())
+    attention = 4 * spec.num_layers * spec.num_heads * spec.head_dim * context
+    return 2 * matmul + attention
+
+
+def prefill_flops(spec: ModelSpec, prompt_tokens: int) -> float:
+    """A prompt's prefill: matmuls for every token plus causal attention (~C^2)."""
+    matmul = sum(x.params for x in spec.linears())
+    attention = 2 * spec.num_layers * spec.num_heads * spec.head_dim * prompt_tokens**2
+    return 2 * matmul * prompt_tokens + attention
+
+
+def decode_step(
+    batch: int,
+    weights_read: float,
+    kv_per_token: float,
+    context: int,
+    bandwidth: float,
+    flops_per_token: float,
+    peak_flops: float | None,
+) -> tuple[float, str]:
+    """(seconds, "memory"|"compute") for one decode step of ``batch`` sequences."""
+    mem = (weights_read + batch * kv_per_token * context) / bandwidth
+    if peak_flops is None:
+        return mem, "memory"
+    comp = batch * flops_per_token / (COMPUTE_EFFICIENCY * peak_flops)
+    return (mem, "memory") if mem >= comp else (comp, "compute")
+
+
+def choose_batched_tokens(
+    eff_flops: float | None, flops_per_token: float, decode_step_s: float, kind: str
+) -> int:
+    """The per-step token budget (--max-num-batched-tokens).
+
+    A prefill chunk of B tokens holds every running stream back for about
+    B x FLOPs/token / effective FLOP/s. Pick the largest power of two whose
+    chunk costs at most max(0.25 s, 2 decode steps): a brief hiccup in the
+    stream rather than a stall, while prefill still runs in large, efficient
+    matmuls. Clamped to [64, 8192]; without a compute peak, 2048 on GPU (vLLM's
+    long-standing default) and 512 on CPU.
+    """
+    if not eff_flops:
+        return PREFILL_BUDGET["gpu" if kind == "gpu" else "cpu"]
+    target = max(CHUNK_STALL_S, 2 * decode_step_s)
+    tokens = target * eff_flops / flops_per_token
+    budget = 64
+    while budget * 2 <= min(tokens, 8192):
+        budget *= 2
+    return budget
+
+
+def gb(x: float) -> str:
+    return f"{x / GB:,.2f} GB"
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+@dataclass
+class Plan:
+    """A capacity plan: inputs, every derived number, the flags and the warnings."""
+
+    model: ModelSpec
+    device: Device
+    dtype: str
+    kv_cache_dtype: str
+    context: int
+    gpu_memory_utilization: float
+    reserve_bytes: float
+    users: float | None
+    gen_seconds: float | None
+    turn_seconds: float | None
+    streams: int | None
+    params: int
+    weight_bytes: int
+    weight_bytes_read_per_token: int
+    embedding_bytes: int
+    kv_element_bytes: float
+    kv_bytes_per_token: float
+    kv_bytes_per_conversation: float
+    activation_bytes: int
+    memory_budget_bytes: float
+    cache_bytes: float
+    cache_blocks: int
+    cache_tokens: int
+    block_size: int
+    conversations_fit: int
+    fits: bool
+    decode_ceiling_tok_s: float
+    decode_ceiling_with_kv_tok_s: float
+    in_flight: float
+    wanted_max_num_seqs: int
+    max_num_seqs: int
+    max_queue: int
+    max_num_batched_tokens: int
+    chunk_stall_s: float | None
+    prefill_tok_s: float | None
+    ttft_full_context_s: float | None
+    batch_step_s: float
+    batch_bound: str
+    aggregate_decode_tok_s: float
+    per_stream_decode_tok_s: float
+    formulas: dict[str, str] = field(default_factory=dict)
+    flags: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["model"] = self.model.to_dict()
+        d["device"] = self.device.to_dict()
+        return d
+
+
+def _check_positive(name: str, v: float | None, *, allow_zero: bool = False) -> None:
+    if v is None:
+        return
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        raise ValueError(f"{name} must be a positive number, got {v}")
+
+
+def plan(
+    spec: ModelSpec,
+    device: Device,
+    *,
+    dtype: str = "auto",
+    kv_cache_dtype: str = "auto",
+    context: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    reserve_bytes: float | None = None,
+    users: float | None = None,
+    gen_seconds: float | None = None,
+    turn_seconds: float | None = None,
+    streams: int | None = None,
+    block_size: int = BLOCK_SIZE,
+    explore: bool = True,
+) -> Plan:
+    """Work out the whole plan; ValueError on input that makes no sense.
+
+    ``explore`` re-plans with cheaper settings (shorter context, 8-bit cache,
+    quantized weights) to put numbers on the "what to cut" advice.
+    """
+    if streams is not None and users is not None:
+        raise ValueError("give --users (chat, with idle time) or --streams (agents), not both")
+    if streams is not None and (gen_seconds is not None or turn_seconds is not None):
+        raise ValueError("--gen-seconds/--turn-seconds describe --users; --streams never idle")
+    if users is None and streams is None and (gen_seconds is not None or turn_seconds is not None):
+        raise ValueError("--gen-seconds/--turn-seconds need --users")
+    _check_positive("--users", users)
+    _check_positive("--gen-seconds", gen_seconds)
+    _check_positive("--turn-seconds", turn_seconds)
+    _check_positive("--reserve", reserve_bytes, allow_zero=True)
+    _check_positive("memory", device.memory_bytes)
+    _check_positive("bandwidth", device.bandwidth_bytes_s)
+    if streams is not None and (not isinstance(streams, int) or streams <= 0):
+        raise ValueError(f"--streams must be a positive integer, got {streams}")
+    if context is not None and (not isinstance(context, int) or context <= 0):
+        raise ValueError(f"--context must be a positive integer, got {context}")
+    if gpu_memory_utilization is not None and not (0 < gpu_memory_utilization <= 1):
+        raise ValueError(
+            f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}"
+        )
+    if users is not None:
+        gen_seconds = 12.0 if gen_seconds is None else gen_seconds
+        turn_seconds = 90.0 if turn_seconds is None else turn_seconds
+        if gen_seconds > turn_seconds:
+            raise ValueError(
+                f"--gen-seconds ({gen_seconds:g}) exceeds --turn-seconds ({turn_seconds:g}): "
+                "a turn includes its own generation"
+            )
+
+    wdtype = resolve_dtype(spec, dtype)
+    kvdtype = resolve_kv_dtype(kv_cache_dtype, wdtype)
+    if context is None:
+        context = min(8192, spec.max_context or 8192)
+    is_gpu = device.kind == "gpu"
+    util = gpu_memory_utilization
+    if util is None:
+        util = DEFAULT_GPU_UTILIZATION if is_gpu else 1.0
+    reserve = reserve_bytes if reserve_bytes is not None else (0 if is_gpu else DEFAULT_CPU_RESERVE)
+
+    # Weights and the KV cache.
+    w = weight_bytes(spec, wdtype)
+    elem = kv_element_bytes(kvdtype, spec.head_dim)
+    kv_tok = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, elem)
+    kv_conv = kv_tok * context
+
+    # Workload.
+    if streams is not None:
+        load, bursty = float(streams), False
+    elif users is not None:
+        assert gen_seconds is not None and turn_seconds is not None
+        load, bursty = in_flight(users, gen_seconds, turn_seconds), True
+    else:
+        load, bursty = 1.0, False
+
+    # The per-step token budget first: it sets the activation peak.
+    fpt_half = decode_flops_per_token(spec, context // 2)
+    eff_flops = COMPUTE_EFFICIENCY * device.peak_flops if device.peak_flops else None
+    step1, _ = decode_step(
+        1, w.read_per_token, kv_tok, context, device.bandwidth_bytes_s, fpt_half, device.peak_flops
+    )
+    batched = choose_batched_tokens(eff_flops, fpt_half, step1, device.kind)
+
+    # Memory: budget, activations of one full step, what is left for the cache.
+    act_b = 4 if (wdtype == "fp32" or not is_gpu) else 2
+    act = activation_bytes(spec, batched, act_b, min(batched, 256))
+    budget = device.memory_bytes * util - reserve
+    cache = budget - w.total - act
+    blocks = cache_blocks(cache, kv_tok, block_size)
+    tokens = blocks * block_size
+    fits_n = conversations_fit(blocks, context, block_size)
+
+    wanted, rec = recommend_max_num_seqs(load, fits_n, bursty=bursty, users=users)
+    max_queue = max(1, rec)
+    batched = max(batched, rec)
+
+    # Speed.
+    ceiling = decode_ceiling(device.bandwidth_bytes_s, w.read_per_token)
+    ceiling_kv = decode_ceiling(device.bandwidth_bytes_s, w.read_per_token + kv_conv)
+    fpt = decode_flops_per_token(spec, context)
+    batch = max(1, rec)
+    step, bound = decode_step(
+        batch, w.read_per_token, kv_tok, context, device.bandwidth_bytes_s, fpt, device.peak_flops
+    )
+    prefill_rate = ttft = stall = None
+    if eff_flops:
+        ttft = prefill_flops(spec, context) / eff_flops
+        prefill_rate = context / ttft
+        stall = batched * fpt_half / eff_flops
+
+    p = Plan(
+        model=spec,
+        device=device,
+        dtype=wdtype,
+        kv_cache_dtype=kvdtype,
+        context=context,
+        gpu_memory_utilization=util,
+        reserve_bytes=reserve,
+        users=users,
+        gen_seconds=gen_seconds if users is not None else None,
+        turn_seconds=turn_seconds if users is not None else None,
+        streams=streams,
+        params=spec.param_counts().total,
+        weight_bytes=w.total,
+        weight_bytes_read_per_token=w.read_per_token,
+        embedding_bytes=w.embedding,
+        kv_element_bytes=elem,
+        kv_bytes_per_token=kv_tok,
+        kv_bytes_per_conversation=kv_conv,
+        activation_bytes=act,
+        memory_budget_bytes=budget,
+        cache_bytes=max(0.0, cache),
+        cache_blocks=blocks,
+        cache_tokens=tokens,
+        block_size=block_size,
+        conversations_fit=fits_n,
+        fits=fits_n >= max(1, math.ceil(load)),
+        decode_ceiling_tok_s=ceiling,
+        decode_ceiling_with_kv_tok_s=ceiling_kv,
+        in_flight=load,
+        wanted_max_num_seqs=wanted,
+        max_num_seqs=rec,
+        max_queue=max_queue,
+        max_num_batched_tokens=batched,
+        chunk_stall_s=stall,
+        prefill_tok_s=prefill_rate,
+        ttft_full_context_s=ttft,
+        batch_step_s=step,
+        batch_bound=bound,
+        aggregate_decode_tok_s=batch / step,
+        per_stream_decode_tok_s=1 / step,
+    )
+    _formulas(p)
+    _flags(p)
+    _warnings(p, explore=explore)
+    return p
+
+
+def _formulas(p: Plan) -> None:
+    s, d = p.model, p.device
+    f = p.formulas
+    pc = s.param_counts()
+    if p.dtype == "file":
+        f["weights"] = f"{s.file_type} GGUF tensors as stored = {gb(p.weight_bytes)}"
+    elif p.dtype in ("int8", "int4"):
+        scale = (
+            "1 B + fp32 scale per output channel" if p.dtype == "int8"
+            else f"0.5 B + fp16 scale and zero per {INT4_GROUP} weights"
+        )
+        f["weights"] = (
+            f"{pc.total / 1e9:.2f} B params, matmuls at {p.dtype} ({scale}), "
+            f"norms/biases{'' if s.tie_word_embeddings else ' and input embedding'} 16-bit "
+            f"= {gb(p.weight_bytes)}"
+        )
+    else:
+        f["weights"] = (
+            f"{pc.total:,} params x {dense_bytes(p.dtype)} B ({p.dtype}) = {gb(p.weight_bytes)}"
+        )
+    if p.embedding_bytes:
+        f["weights_read"] = (
+            f"{gb(p.weight_bytes)} - {gb(p.embedding_bytes)} input embedding (a row lookup) "
+            f"= {gb(p.weight_bytes_read_per_token)}"
+        )
+    f["kv_per_token"] = (
+        f"2 x {s.num_layers} layers x {s.num_kv_heads} KV heads x {s.head_dim} head_dim x "
+        f"{p.kv_element_bytes:g} B ({p.kv_cache_dtype}) = {p.kv_bytes_per_token:,.0f} B "
+        f"({p.kv_bytes_per_token / 1024:,.1f} KiB)"
+    )
+    f["kv_per_conversation"] = (
+        f"{p.kv_bytes_per_token:,.0f} B x {p.context:,} tokens = {gb(p.kv_bytes_per_conversation)}"
+    )
+    reserve = f" - {gb(p.reserve_bytes)} reserve" if p.reserve_bytes else ""
+    f["cache_bytes"] = (
+        f"{gb(d.memory_bytes)} x {p.gpu_memory_utilization:g}{reserve} - {gb(p.weight_bytes)} "
+        f"weights - {gb(p.activation_bytes)} activations = "
+        f"{gb(p.memory_budget_bytes - p.weight_bytes - p.activation_bytes)}"
+    )
+    f["cache_tokens"] = (
+        f"{gb(p.cache_bytes)} / {p.kv_bytes_per_token:,.0f} B per token -> {p.cache_blocks:,} "
+        f"blocks x {p.block_size} = {p.cache_tokens:,} tokens"
+    )
+    f["conversations_fit"] = (
+        f"{p.cache_blocks:,} blocks / {math.ceil(p.context / p.block_size):,} blocks per "
+        f"{p.context:,}-token conversation = {p.conversations_fit}"
+    )
+    bw = d.bandwidth_bytes_s / GB
+    f["decode_ceiling"] = (
+        f"{bw:,.0f} GB/s / {gb(p.weight_bytes_read_per_token)} = "
+        f"{p.decode_ceiling_tok_s:,.1f} tok/s"
+    )
+    f["decode_ceiling_with_kv"] = (
+        f"{bw:,.0f} GB/s / ({gb(p.weight_bytes_read_per_token)} + "
+        f"{gb(p.kv_bytes_per_conversation)} KV at {p.context:,} tokens) = "
+        f"{p.decode_ceiling_with_kv_tok_s:,.1f} tok/s"
+    )
+    if p.streams is not None:
+        f["in_flight"] = f"{p.streams} streams with no idle time = {p.in_flight:g} in flight"
+    elif p.users is not None:
+        f["in_flight"] = (
+            f"{p.users:g} users x {p.gen_seconds:g} s generating / {p.turn_seconds:g} s between "
+            f"turns = {p.in_flight:.2f} in flight"
+        )
+    else:
+        f["in_flight"] = "no workload given: one stream"
+    if p.users is not None:
+        f["max_num_seqs"] = (
+            f"ceil({p.in_flight:.2f} + 2 x sqrt({p.in_flight:.2f})) = {p.wanted_max_num_seqs} "
+            f"(random arrivals: mean + 2 sd), capped at {p.conversations_fit} that fit "
+            f"-> {p.max_num_seqs}"
+        )
+    else:
+        f["max_num_seqs"] = (
+            f"{_n(p.wanted_max_num_seqs, 'stream')}, capped at {p.conversations_fit} that fit "
+            f"-> {p.max_num_seqs}"
+        )
+    b = max(1, p.max_num_seqs)
+    f["aggregate_decode"] = (
+        f"step = max(({gb(p.weight_bytes_read_per_token)} + {b} x "
+        f"{gb(p.kv_bytes_per_conversation)} KV) / {bw:,.0f} GB/s, {b} x "
+        f"{decode_flops_per_token(s, p.context) / 1e9:,.1f} GFLOP / "
+        + (
+            f"({COMPUTE_EFFICIENCY:g} x {d.peak_flops / 1e12:,.1f} TFLOP/s))"
+            if d.peak_flops else "unknown compute peak)"
+        )
+        + f" = {p.batch_step_s * 1e3:,.1f} ms ({p.batch_bound} bound) -> {b} / step = "
+        f"{p.aggregate_decode_tok_s:,.1f} tok/s total, {p.per_stream_decode_tok_s:,.1f} per stream"
+    )
+    if p.ttft_full_context_s is not None and d.peak_flops:
+        f["prefill"] = (
+            f"{prefill_flops(s, p.context) / 1e12:,.1f} TFLOP for a {p.context:,}-token prompt / "
+            f"({COMPUTE_EFFICIENCY:g} x {d.peak_flops / 1e12:,.1f} TFLOP/s) = "
+            f"{p.ttft_full_context_s:,.2f} s to first token ({p.prefill_tok_s:,.0f} tok/s)"
+        )
+
+
+def _flags(p: Plan) -> None:
+    if p.max_num_seqs < 1:
+        return  # nothing fits: the warnings say what to cut, no flags would work
+    n, c = p.max_num_seqs, p.context
+    kv8 = p.kv_cache_dtype in KV8_DTYPES
+    quant = p.dtype in ("int8", "int4")
+    tandem = [
+        f"--max-num-seqs {n}", f"--max-num-batched-tokens {p.max_num_batched_tokens}",
+        f"--max-model-len {c}", f"--max-queue {p.max_queue}",
+    ]
+    if p.device.kind == "gpu":
+        tandem.append(f"--gpu-memory-utilization {p.gpu_memory_utilization:g}")
+    else:  # on CPU tandem's pool is exactly this many bytes (default 2 GiB), not "what is free"
+        tandem.append(f"--kv-cache-memory {int(p.cache_bytes // MiB)}MiB")
+    if kv8:  # tandem's only 8-bit cache is int8, whichever 8-bit format was planned
+        tandem.append("--kv-cache-dtype int8")
+    if quant:
+        tandem.append(f"--quantization {p.dtype}")
+    vllm = [
+        f"--max-num-seqs {n}", f"--max-model-len {c}",
+        f"--max-num-batched-tokens {p.max_num_batched_tokens}",
+    ]
+    if p.device.kind == "gpu":
+        vllm.append(f"--gpu-memory-utilization {p.gpu_memory_utilization:g}")
+    if kv8:
+        vllm.append("--kv-cache-dtype fp8")
+    if p.dtype == "int8":
+        vllm.append("--quantization fp8")
+    elif p.dtype == "int4":
+        vllm.append("(serve an AWQ/GPTQ 4-bit checkpoint)")
+    llama = [f"-np {n}", f"-c {n * c}"]
+    if p.device.kind == "gpu":
+        llama.append("-ngl 999")
+    if kv8:
+        llama += ["--cache-type-k q8_0", "--cache-type-v q8_0"]
+    ollama = {
+        "OLLAMA_NUM_PARALLEL": str(n),
+        "OLLAMA_CONTEXT_LENGTH": str(c),
+        "OLLAMA_MAX_QUEUE": str(p.max_queue),
+        "OLLAMA_KEEP_ALIVE": "-1",
+    }
+    if kv8:
+        ollama.update({"OLLAMA_KV_CACHE_TYPE": "q8_0", "OLLAMA_FLASH_ATTENTION": "1"})
+    p.flags = {
+        "tandem": tandem,
+        "vllm": vllm,
+        "llama_server": llama,
+        "ollama": ollama,
+        "ollama_reserved_tokens": n * c,
+        "ollama_reserved_bytes": n * c * p.kv_bytes_per_token,
+        "max_queue_reason": (
+            f"{p.max_queue} waiting requests drain through {n} slots in about one reply's time"
+            + (f" (~{p.gen_seconds:g} s)" if p.gen_seconds else "")
+            + "; past that, an immediate 503 with Retry-After that the client can retry "
+            "beats a spinner that never resolves. vLLM and llama-server have no queue "
+            "bound: put one in the proxy in front of them."
+        ),
+        "max_num_batched_tokens_reason": (
+            "the per-step token budget: a prompt is prefilled in chunks of this size mixed "
+            "with running decodes; smaller protects inter-token latency, larger cuts "
+            "time to first token"
+            + (
+                f"; sized so a full chunk costs ~{p.chunk_stall_s * 1e3:,.0f} ms of compute "
+                f"that running streams wait through (at most max({CHUNK_STALL_S:g} s, "
+                "2 decode steps))"
+                if p.chunk_stall_s is not None else ""
+            )
+        ),
+    }
+
+
+def _warnings(p: Plan, *, explore: bool) -> None:
+    s, d = p.model, p.device
+    w = p.warnings
+    if s.max_context and p.context > s.max_context:
+        w.append(
+            f"--context {p.context:,} exceeds the model's trained context "
+            f"({s.max_context:,} tokens): quality degrades past it, and servers refuse it "
+            "without rope scaling"
+        )
+    if d.available_bytes is not None and p.memory_budget_bytes > d.available_bytes:
+        w.append(
+            f"only {gb(d.available_bytes)} of {gb(d.memory_bytes)} is free right now: other "
+            "processes hold the rest, so the plan only holds once they are gone"
+        )
+    weights_fit = p.weight_bytes + p.activation_bytes <= p.memory_budget_bytes
+    need = max(1, math.ceil(p.in_flight))
+    cuts: list[str] = []
+    if not weights_fit:
+        where = (
+            "offload layers to CPU RAM over PCIe" if d.kind == "gpu" else "swap to disk"
+        )
+        w.append(
+            f"the weights ({gb(p.weight_bytes)}) do not fit the memory budget "
+            f"({gb(p.memory_budget_bytes)}): the runtime would {where}, and decode would "
+            "crawl at the speed of the slower memory"
+        )
+    elif p.conversations_fit < 1:
+        most = p.cache_blocks * p.block_size
+        w.append(
+            f"one {p.context:,}-token conversation needs {gb(p.kv_bytes_per_conversation)} of "
+            f"KV cache but only {gb(p.cache_bytes)} is left after the weights: a long "
+            "conversation would be preempted, or offloaded and crawl"
+        )
+        if most >= p.block_size:
+            cuts.append(f"--context {most:,} (the most one conversation can hold)")
+    elif p.max_num_seqs < need or p.max_num_seqs < p.wanted_max_num_seqs:
+        short = p.max_num_seqs < need
+        msg = (
+            f"the cache holds {p.conversations_fit} full {p.context:,}-token conversations "
+            f"but the workload wants {p.wanted_max_num_seqs} slots"
+        )
+        if short:
+            msg += (
+                f" ({p.in_flight:.1f} in flight on average): the rest wait in the queue, or "
+                "the engine preempts and recomputes"
+            )
+        else:
+            msg += " for bursts: those queue briefly; the average load fits"
+        w.append(msg)
+        fit_ctx = (p.cache_blocks // p.wanted_max_num_seqs) * p.block_size
+        if fit_ctx >= p.block_size:
+            cuts.append(f"--context {fit_ctx:,} fits {p.wanted_max_num_seqs} slots")
+    if explore and (not weights_fit or p.max_num_seqs < p.wanted_max_num_seqs):
+        cuts += _explore(p)
+        if not weights_fit or p.conversations_fit < need:
+            cuts.append("a smaller model, or a device with more memory")
+        w.append("to fit, cut one of: " + "; ".join(cuts))
+    if p.max_num_seqs >= 1 and p.per_stream_decode_tok_s < READABLE_TOK_S:
+        w.append(
+            f"each stream decodes at ~{p.per_stream_decode_tok_s:.1f} tok/s at "
+            f"{p.max_num_seqs} in the batch (ceiling {p.decode_ceiling_tok_s:.1f} tok/s for one): "
+            f"below ~{READABLE_TOK_S:g} tok/s text types out slower than people read; "
+            "quantizing the weights (int8 halves the bytes read, int4 ~quarters them) "
+            "raises it, a bigger batch does not"
+        )
+    if p.users is not None and p.max_num_seqs >= 1:
+        p.notes.append(
+            f"{p.users:g} users are not {p.users:g} streams: at {p.gen_seconds:g} s of "
+            f"generation per {p.turn_seconds:g} s turn only ~{p.in_flight:.1f} generate at once"
+        )
+    if p.dtype == "file":
+        p.notes.append(
+            f"weights are counted as stored in the GGUF ({s.file_type}), as llama-server and "
+            "Ollama hold them; an engine that dequantizes them (tandem computes in fp32 on "
+            "CPU) holds and reads more: plan it with --dtype fp32, bf16 or int8"
+        )
+    if p.kv_cache_dtype in KV8_DTYPES:
+        p.notes.append(
+            "llama-server and Ollama quantize the V cache only with flash attention on "
+            "(llama-server -fa on, OLLAMA_FLASH_ATTENTION=1)"
+        )
+    p.notes.append(
+        "Ollama reserves OLLAMA_NUM_PARALLEL x OLLAMA_CONTEXT_LENGTH tokens of KV at load; "
+        "raising either past what fits makes it offload layers to the CPU"
+    )
+
+
+def _explore(p: Plan) -> list[str]:
+    """Re-plan with cheaper settings and report how many slots each would give."""
+    out: list[str] = []
+    base = dict(
+        context=p.context, gpu_memory_utilization=p.gpu_memory_utilization,
+        reserve_bytes=p.reserve_bytes, users=p.users, gen_seconds=p.gen_seconds,
+        turn_seconds=p.turn_seconds, streams=p.streams, block_size=p.block_size, explore=False,
+    )
+    if p.kv_cache_dtype not in KV8_DTYPES:
+        q = plan(p.model, p.device, dtype=p.dtype, kv_cache_dtype="int8", **base)
+        if q.conversations_fit > p.conversations_fit:
+            out.append(
+                f"--kv-cache-dtype int8 fits {_n(q.conversations_fit, 'conversation')}"
+            )
+    rank = {"fp32": 0, "bf16": 1, "fp16": 1, "int8": 2, "int4": 3}
+    for dt in ("int8", "int4"):
+        if rank[dt] <= rank.get(p.dtype, 4):
+            continue
+        q = plan(p.model, p.device, dtype=dt, kv_cache_dtype=p.kv_cache_dtype, **base)
+        if q.conversations_fit > p.conversations_fit:
+            out.append(
+                f"--dtype {dt} (weights {gb(q.weight_bytes)}) fits "
+                f"{_n(q.conversations_fit, 'conversation')}"
+            )
+        elif q.weight_bytes + q.activation_bytes > q.memory_budget_bytes:
+            out.append(f"(--dtype {dt} would still not fit: weights {gb(q.weight_bytes)})")
+    return out

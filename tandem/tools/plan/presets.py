@@ -1,0 +1,462 @@
+"""Model shapes for the planner: built-in presets, HF configs and GGUF metadata.
+
+The planner needs only the shape of a model (layers, widths, head counts,
+vocabulary, tied or not), never its weights: that is enough to count
+parameters, weight bytes and KV bytes per token. Presets carry the published
+config.json numbers so a plan works offline and without downloading anything.
+
+Counting assumes the Llama family's layout (which Mistral, Qwen2/3 and SmolLM
+share): pre-norm RMSNorm blocks, q/k/v/o projections with grouped KV heads,
+and a gated MLP (gate, up, down). Mixture-of-experts and latent-attention
+models are refused with a clear error rather than counted wrongly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tandem.model.gguf_meta import ArrayLen, read_gguf_header
+from tandem.model.hf_config import tie_word_embeddings
+
+# config.json numbers as published on the Hugging Face Hub (the fields the
+# planner reads, plus torch_dtype for --dtype auto).
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": {
+        "_source": "meta-llama/Llama-3.1-8B-Instruct",
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 131072,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "bfloat16",
+    },
+    "llama-3.1-70b": {
+        "_source": "meta-llama/Llama-3.1-70B-Instruct",
+        "model_type": "llama",
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 131072,
+        "torch_dtype": "bfloat16",
+    },
+    "llama-3.2-1b": {
+        "_source": "meta-llama/Llama-3.2-1B-Instruct",
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 131072,
+        "torch_dtype": "bfloat16",
+    },
+    "llama-3.2-3b": {
+        "_source": "meta-llama/Llama-3.2-3B-Instruct",
+        "model_type": "llama",
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 131072,
+        "torch_dtype": "bfloat16",
+    },
+    "mistral-7b": {
+        "_source": "mistralai/Mistral-7B-Instruct-v0.3",
+        "model_type": "mistral",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 32768,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 32768,
+        "torch_dtype": "bfloat16",
+    },
+    "qwen3-8b": {
+        "_source": "Qwen/Qwen3-8B",
+        "model_type": "qwen3",
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 40960,
+        "attention_bias": False,
+        "torch_dtype": "bfloat16",
+    },
+    "qwen2.5-1.5b": {
+        "_source": "Qwen/Qwen2.5-1.5B-Instruct",
+        "model_type": "qwen2",
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 32768,
+        "torch_dtype": "bfloat16",
+    },
+    "qwen2.5-7b": {
+        "_source": "Qwen/Qwen2.5-7B-Instruct",
+        "model_type": "qwen2",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 32768,
+        "torch_dtype": "bfloat16",
+    },
+    "smollm2-135m": {
+        "_source": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "model_type": "llama",
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 8192,
+        "torch_dtype": "bfloat16",
+    },
+}
+
+_TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "half": "fp16"}
+
+
+@dataclass(frozen=True)
+class Linear:
+    """``count`` matrices of ``n_in`` x ``n_out`` (quantization needs the shapes)."""
+
+    name: str
+    n_in: int
+    n_out: int
+    count: int
+
+    @property
+    def params(self) -> int:
+        return self.n_in * self.n_out * self.count
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    embedding: int
+    attention: int
+    mlp: int
+    norms: int
+    lm_head: int  # 0 when tied: the embedding matrix serves as the LM head
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.attention + self.mlp + self.norms + self.lm_head
+
+    def to_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a decoder-only transformer, as far as capacity depends on it."""
+
+    name: str
+    source: str  # "preset", "config.json", "gguf"
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    max_context: int | None = None
+    model_type: str = "llama"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    # --dtype auto: the checkpoint's own dtype ("file" for GGUF tensors as stored).
+    default_dtype: str = "bf16"
+    # GGUF only: bytes of all tensors as stored, and of the token embedding.
+    file_weight_bytes: int | None = None
+    file_embedding_bytes: int | None = None
+    file_params: int | None = None
+    file_type: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_layers", "hidden_size", "intermediate_size", "num_heads",
+            "num_kv_heads", "head_dim", "vocab_size",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"model {self.name}: {name} must be a positive integer, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model {self.name}: {self.num_heads} attention heads is not a multiple "
+                f"of {self.num_kv_heads} KV heads"
+            )
+
+    def linears(self) -> list[Linear]:
+        """Every matmul weight, the LM head included even when tied (it is read)."""
+        h, L = self.hidden_size, self.num_layers
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return [
+            Linear("q_proj", h, q, L),
+            Linear("k_proj", h, kv, L),
+            Linear("v_proj", h, kv, L),
+            Linear("o_proj", q, h, L),
+            Linear("gate_proj", h, self.intermediate_size, L),
+            Linear("up_proj", h, self.intermediate_size, L),
+            Linear("down_proj", self.intermediate_size, h, L),
+            Linear("lm_head", h, self.vocab_size, 1),
+        ]
+
+    def small_params(self) -> dict[str, int]:
+        """Vectors kept at full precision even when the matmuls are quantized."""
+        h, L = self.hidden_size, self.num_layers
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn_bias = (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
+        mlp_bias = 2 * self.intermediate_size + h if self.mlp_bias else 0
+        qk_norm = 2 * self.head_dim if self.qk_norm else 0
+        return {
+            "attention": L * (attn_bias + qk_norm),
+            "mlp": L * mlp_bias,
+            "norms": L * 2 * h + h,  # input + post-attention norm per layer, final norm
+        }
+
+    def param_counts(self) -> ParamCounts:
+        lin = {x.name: x.params for x in self.linears()}
+        small = self.small_params()
+        attention = sum(lin[k] for k in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        mlp = sum(lin[k] for k in ("gate_proj", "up_proj", "down_proj"))
+        return ParamCounts(
+            embedding=self.vocab_size * self.hidden_size,
+            attention=attention + small["attention"],
+            mlp=mlp + small["mlp"],
+            norms=small["norms"],
+            lm_head=0 if self.tie_word_embeddings else lin["lm_head"],
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["params"] = self.param_counts().to_dict()
+        return d
+
+
+def _first(cfg: dict[str, Any], *keys: str) -> Any:
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    return None
+
+
+def spec_from_hf_config(cfg: dict[str, Any], name: str, source: str = "config.json") -> ModelSpec:
+    """Read the fields of an HF config.json; multimodal configs use their text_config."""
+    if isinstance(cfg.get("text_config"), dict):
+        cfg = {**cfg["text_config"], "_outer_tie": cfg.get("tie_word_embeddings")}
+    model_type = str(cfg.get("model_type", "llama"))
+    if _first(cfg, "num_experts", "num_local_experts", "n_routed_experts"):
+        raise ValueError(
+            f"model {name}: mixture-of-experts configs ({model_type}) are not supported by "
+            "the planner (only active experts are read per token; it counts dense models)"
+        )
+    if cfg.get("kv_lora_rank"):
+        raise ValueError(
+            f"model {name}: multi-head latent attention ({model_type}) is not supported: "
+            "its KV cache is not 2 x kv_heads x head_dim per layer"
+        )
+    hidden = _first(cfg, "hidden_size", "n_embd", "d_model")
+    layers = _first(cfg, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _first(cfg, "num_attention_heads", "n_head")
+    inter = _first(cfg, "intermediate_size", "n_inner", "ffn_dim")
+    vocab = cfg.get("vocab_size")
+    missing = [
+        k for k, v in (
+            ("hidden_size", hidden), ("num_hidden_layers", layers),
+            ("num_attention_heads", heads), ("intermediate_size", inter), ("vocab_size", vocab),
+        ) if v is None
+    ]
+    if missing:
+        raise ValueError(f"model {name}: config has no {', '.join(missing)}")
+    kv_heads = _first(cfg, "num_key_value_heads", "num_kv_heads") or heads
+    head_dim = cfg.get("head_dim") or hidden // heads
+    tie = cfg.get("tie_word_embeddings")
+    if tie is None:
+        tie = cfg.get("_outer_tie")
+    if tie is None:
+        tie = tie_word_embeddings(cfg)
+    qkv_bias = bool(cfg.get("attention_bias", False)) or model_type == "qwen2"
+    dtype = _TORCH_DTYPES.get(str(_first(cfg, "torch_dtype", "dtype")), "bf16")
+    quant = cfg.get("quantization_config")
+    if isinstance(quant, dict):
+        bits = quant.get("bits") or quant.get("weight_bits")
+        method = str(quant.get("quant_method", ""))
+        if bits == 4 or "4bit" in method or quant.get("load_in_4bit"):
+            dtype = "int4"
+        elif bits == 8 or method == "fp8" or quant.get("load_in_8bit"):
+            dtype = "int8"
+    return ModelSpec(
+        name=name,
+        source=source,
+        num_layers=int(layers),
+        hidden_size=int(hidden),
+        intermediate_size=int(inter),
+        num_heads=int(heads),
+        num_kv_heads=int(kv_heads),
+        head_dim=int(head_dim),
+        vocab_size=int(vocab),
+        tie_word_embeddings=bool(tie),
+        max_context=cfg.get("max_position_embeddings"),
+        model_type=model_type,
+        qkv_bias=qkv_bias,
+        o_bias=bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=model_type in ("qwen3", "olmo2", "gemma3", "gemma3_text"),
+        default_dtype=dtype,
+    )
+
+
+def _gguf_scalar(meta: dict[str, Any], key: str) -> Any:
+    v = meta.get(key)
+    if isinstance(v, ArrayLen):
+        raise ValueError(f"GGUF {key} is a {v.count}-element array, expected one value")
+    if isinstance(v, list):
+        if not v:
+            return None
+        if len(set(v)) > 1:
+            raise ValueError(f"GGUF {key} varies per layer ({v[:4]}...): not supported")
+        v = v[0]
+    return v
+
+
+def spec_from_gguf(path: str) -> ModelSpec:
+    """Read the shape from GGUF metadata and the stored bytes from its tensor table."""
+    try:
+        meta, tensor_list = read_gguf_header(path)
+    except (OSError, ValueError, KeyError, struct.error) as e:  # truncated or foreign file
+        raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
+    arch = _gguf_scalar(meta, "general.architecture")
+    if not arch:
+        raise ValueError(f"{path}: GGUF has no general.architecture")
+
+    def key(suffix: str) -> Any:
+        return _gguf_scalar(meta, f"{arch}.{suffix}")
+
+    if key("expert_count"):
+        raise ValueError(f"{path}: mixture-of-experts GGUF ({arch}) is not supported")
+    hidden, layers, heads = key("embedding_length"), key("block_count"), key("attention.head_count")
+    if not (hidden and layers and heads):
+        raise ValueError(f"{path}: GGUF lacks {arch}.embedding_length/block_count/head_count")
+    tensors = {t.name: t for t in tensor_list}
+    vocab = key("vocab_size")
+    if vocab is None:
+        toks = meta.get("tokenizer.ggml.tokens")
+        if isinstance(toks, ArrayLen):
+            vocab = toks.count
+        elif "token_embd.weight" in tensors:
+            vocab = tensors["token_embd.weight"].shape[-1]
+    inter = key("feed_forward_length")
+    if inter is None and "blk.0.ffn_up.weight" in tensors:
+        inter = tensors["blk.0.ffn_up.weight"].shape[-1]
+    if vocab is None or inter is None:
+        raise ValueError(f"{path}: GGUF has no vocabulary size or feed-forward length")
+    embd = tensors.get("token_embd.weight")
+    by_type: dict[str, int] = {}
+    for t in tensor_list:
+        by_type[t.type_name] = by_type.get(t.type_name, 0) + t.n_bytes
+    return ModelSpec(
+        name=os.path.basename(path),
+        source="gguf",
+        num_layers=int(layers),
+        hidden_size=int(hidden),
+        intermediate_size=int(inter),
+        num_heads=int(heads),
+        num_kv_heads=int(key("attention.head_count_kv") or heads),
+        head_dim=int(key("attention.key_length") or hidden // heads),
+        vocab_size=int(vocab),
+        tie_word_embeddings="output.weight" not in tensors,
+        max_context=key("context_length"),
+        model_type=str(arch),
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        o_bias="blk.0.attn_output.bias" in tensors,
+        mlp_bias="blk.0.ffn_up.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        default_dtype="file",
+        file_weight_bytes=sum(t.n_bytes for t in tensor_list),
+        file_embedding_bytes=embd.n_bytes if embd is not None else None,
+        file_params=sum(t.n_elements for t in tensor_list),
+        # The type holding the most bytes (e.g. Q4_1): what the file "is".
+        file_type=max(by_type, key=lambda k: by_type[k]) if by_type else "unknown",
+    )
+
+
+def load_model(ref: str) -> ModelSpec:
+    """A preset name, a config.json, a directory holding one, or a .gguf file."""
+    if ref in PRESETS:
+        cfg = PRESETS[ref]
+        return spec_from_hf_config(cfg, ref, source=f"preset ({cfg['_source']})")
+    if os.path.isdir(ref):
+        cfg_path = os.path.join(ref, "config.json")
+        if os.path.isfile(cfg_path):
+            return _load_config(cfg_path, os.path.basename(os.path.normpath(ref)))
+        ggufs = sorted(f for f in os.listdir(ref) if f.endswith(".gguf"))
+        if len(ggufs) == 1:
+            return spec_from_gguf(os.path.join(ref, ggufs[0]))
+        raise ValueError(f"{ref}: directory has no config.json (nor exactly one .gguf file)")
+    if os.path.isfile(ref):
+        with open(ref, "rb") as f:
+            magic = f.read(4)
+        if magic == b"GGUF":
+            return spec_from_gguf(ref)
+        return _load_config(ref, os.path.splitext(os.path.basename(ref))[0])
+    looks_like_path = os.sep in ref or ref.endswith((".json", ".gguf"))
+    if looks_like_path:
+        raise ValueError(f"{ref}: no such file or directory")
+    raise ValueError(
+        f"unknown model {ref!r}: not a preset ({', '.join(PRESETS)}) nor an existing path"
+    )
+
+
+def _load_config(path: str, name: str) -> ModelSpec:
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable config.json ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: config.json is not a JSON object")
+    return spec_from_hf_config(cfg, name, source=f"config.json ({path})")
+

@@ -1,0 +1,56 @@
+"""The running requests' block tables as one preallocated tensor.
+
+Attention reads each sequence's block ids as a row of a [B, blocks] int tensor.
+Rebuilding that from the requests' Python lists every step costs O(batch x
+context): 1.3 ms per step at 64 sequences x 4k tokens. Here each request holds
+a row while it runs, and a step copies only the block ids allocated since the
+last one, O(batch + new blocks).
+
+Invariant: a request's row holds exactly its ``block_ids`` after ``rows()``.
+It relies on the engine releasing the row whenever a request stops running
+(finished, aborted, preempted): until then its block list only grows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from tandem.core.request import Request
+
+
+class BlockTable:
+    def __init__(self, max_rows: int, max_blocks: int) -> None:
+        self.array = np.zeros((max_rows, max_blocks), dtype=np.int32)
+        self.tensor = torch.from_numpy(self.array)  # shares the array's memory
+        self._lens = [0] * max_rows  # block ids written per row
+        self._rows: dict[str, int] = {}
+        self._free = list(range(max_rows - 1, -1, -1))
+
+    def rows(self, reqs: Sequence[Request]) -> list[int]:
+        """Each request's row, first bringing it up to date with its block_ids."""
+        out = []
+        for r in reqs:
+            row = self._rows.get(r.request_id)
+            if row is None:
+                row = self._rows[r.request_id] = self._free.pop()
+            ids, n = r.block_ids, self._lens[row]
+            if len(ids) != n:
+                self.array[row, n:len(ids)] = ids[n:]
+                self._lens[row] = len(ids)
+            out.append(row)
+        return out
+
+    def table(self, rows: list[int], num_blocks: int) -> torch.Tensor:
+        """[len(rows), num_blocks] int32: the rows' first num_blocks block ids
+        (entries past a sequence's blocks are stale, never read)."""
+        return torch.from_numpy(self.array[rows, :num_blocks])  # numpy's gather: ~6 us
+
+    def release(self, request_id: str) -> None:
+        """The request stopped running: its row is free (no-op if it had none)."""
+        row = self._rows.pop(request_id, None)
+        if row is not None:
+            self._lens[row] = 0
+            self._free.append(row)

@@ -1,0 +1,81 @@
+"""A whole decode step in one C++ call (CPU: fp32, int8 or int4 weights).
+
+At small batch a decode step is bound by reading the weights, and driven from
+Python, op by op, it also leaves memory idle between ops: ~10 dispatches and
+thread-team wake-ups per layer and MKL's ramp-up at the start of each small
+matmul cost ~3.5 ms of a 22 ms fp32 step at batch 1 for the default model.
+``torch.classes.tandem.DecodeStep`` (tandem/kernels/csrc/decode_step.h) runs the
+embedding rows, every layer and the LM head in one OpenMP team instead, with
+the same kernels as the per-op path (tandem.kernels.custom_ops) and, for fp32
+weights, its own row-streaming matmul. The model runner gives it the steps
+where every scheduled sequence decodes one token and samples, up to
+``max_batch`` of them; other steps run LlamaModel.forward.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tandem.model.kv_cache import KVCache
+from tandem.model.llama import LlamaModel
+
+logger = logging.getLogger(__name__)
+
+# Largest decode batch the step takes: measured on the default model, beyond
+# this the per-op path's GEMMs are as fast or faster.
+MAX_BATCH = 64
+
+
+def _matmuls(model: LlamaModel) -> list:
+    return [lin for layer in model.layers
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
+
+class DecodeStep:
+    """Holds the model's weights and KV caches on the C++ side once."""
+
+    def __init__(self, model: LlamaModel, kv_caches: list[KVCache], block_size: int) -> None:
+        cfg = model.cfg
+        self.max_batch = MAX_BATCH
+        self.block_size = block_size
+        step = torch.classes.tandem.DecodeStep(
+            model.embed, model.norm, model.cos, model.sin, model.h, cfg.head_dim,
+            cfg.intermediate_size, block_size, model.eps)
+        kind, tensors = model.lm_head.step_args
+        step.set_lm_head(int(kind), *tensors, cfg.vocab_size)
+        for layer, cache in zip(model.layers, kv_caches):
+            args = [lin.step_args for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            step.add_layer(layer.input_norm, layer.post_norm, [int(k) for k, _ in args],
+                           [t for _, tensors in args for t in tensors], layer.qkv.bias,
+                           layer.q_norm, layer.k_norm, *cache.kernel_args)
+        self._step = step
+
+    @classmethod
+    def build(cls, model: LlamaModel, kv_caches: list[KVCache],
+              block_size: int) -> DecodeStep | None:
+        """The step for this model, or None (LlamaModel.forward runs every step)."""
+        if not cls.supports(model):
+            return None
+        try:
+            return cls(model, kv_caches, block_size)
+        except RuntimeError as e:  # a shape the C++ side refuses: the per-op path still works
+            logger.warning("tandem's one-call decode step is off: %s", str(e).splitlines()[0])
+            return None
+
+    @staticmethod
+    def supports(model: LlamaModel) -> bool:
+        """Built kernels, CPU fp32 activations (model.fused) and every matmul
+        of a kind the step runs (the C++ side checks the shapes)."""
+        return model.fused and all(
+            lin.step_args is not None for lin in (*_matmuls(model), model.lm_head))
+
+    def __call__(self, tokens: torch.Tensor, block_table: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [B, 3] int64 (each decoding sequence's new token id, its
+        position and its cache slot), block_table [B, blocks] int32 covering
+        each position -> logits [B, vocab] and each row's argmax (the greedy
+        token, so plain greedy sampling runs no torch op after the step). The
+        new K/V go to the caches."""
+        return self._step.forward(tokens, block_table)

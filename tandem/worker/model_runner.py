@@ -1,0 +1,182 @@
+"""SchedulerOutput -> flat batch tensors -> one forward -> sampled token ids.
+
+Per step the host work is O(requests) Python plus O(tokens) list building for
+prefill chunks (those tokens have to reach the model anyway); every per-layer
+index or mask tensor is built here once and shared by all layers. The only
+host synchronisation is the final ``.tolist()`` of the sampled ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.core.request import Request
+from tandem.core.scheduler import SchedulerOutput
+from tandem.model.attention import AttentionMetadata, build_group
+from tandem.model.kv_cache import KVCache, kv_cache_class
+from tandem.model.llama import LlamaModel
+from tandem.worker.block_table import BlockTable
+from tandem.worker.decode_step import DecodeStep
+from tandem.worker.sampler import Sampler, SamplingMetadata
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Requests that sampled this step, in the same order as their tokens."""
+
+    requests: list[Request]
+    sampled_token_ids: list[int]
+    logprobs: list[dict[int, float] | None] | None = None
+
+
+def allocate_kv_caches(
+    model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
+) -> list[KVCache]:
+    cfg = model.cfg
+    cls = kv_cache_class(kv_cache_dtype)
+    return [
+        cls(num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, model.device)
+        for _ in range(cfg.num_hidden_layers)
+    ]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_caches: list[KVCache],
+        block_size: int,
+        eos_token_ids: frozenset[int],
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.block_table = BlockTable(max_num_seqs, -(-max_model_len // block_size) + 1)
+        self.eos_token_ids = eos_token_ids
+        self.device = model.device
+        self.vocab_size = model.cfg.vocab_size
+        self.sampler = Sampler()
+        self.decode_step = DecodeStep.build(model, kv_caches, block_size)
+
+    def _slots(self, row: int, start: int, n: int) -> torch.Tensor:
+        """Cache slots of positions [start, start + n) of the sequence in ``row``."""
+        bs = self.block_size
+        pos = torch.arange(start, start + n)
+        return self.block_table.tensor[row, pos // bs].long() * bs + pos % bs
+
+    def prepare(self, out: SchedulerOutput) -> tuple:
+        """Flat inputs, decodes (1 new token) first, then prefill chunks."""
+        bs = self.block_size
+        dec = [(r, n) for r, n in zip(out.requests, out.num_scheduled_tokens) if n == 1]
+        pre = [(r, n) for r, n in zip(out.requests, out.num_scheduled_tokens) if n > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for r, _ in dec:
+            c = r.num_computed_tokens
+            ids.append(r.token_ids[c])
+            positions.append(c)
+            slots.append(r.block_ids[c // bs] * bs + c % bs)
+        slot_parts = [torch.tensor(slots, dtype=torch.long)]
+        pre_rows = self.block_table.rows([r for r, _ in pre])
+        for (r, n), row in zip(pre, pre_rows):
+            c = r.num_computed_tokens
+            ids.extend(r.token_ids[c : c + n])
+            positions.extend(range(c, c + n))
+            slot_parts.append(self._slots(row, c, n))
+        # Rows whose chunk reaches the end of their tokens sample a token.
+        sample_reqs: list[Request] = []
+        logits_idx: list[int] = []
+        t = 0
+        for r, n in dec + pre:
+            t += n
+            if r.num_computed_tokens + n == r.num_tokens:
+                sample_reqs.append(r)
+                logits_idx.append(t - 1)
+
+        def group(items: list[tuple[Request, int]], rows: list[int]):
+            if not items:
+                return None
+            ctx = [r.num_computed_tokens + n for r, n in items]
+            return build_group(
+                [n for _, n in items],
+                ctx,
+                self.block_table.table(rows, -(-max(ctx) // bs)),
+                bs,
+                self.device,
+                self.model.dtype,
+                self.model.fused,
+            )
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slot_parts).to(self.device),
+            decode=group(dec, self.block_table.rows([r for r, _ in dec])),
+            prefill=group(pre, pre_rows),
+        )
+        dev = self.device
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            meta,
+            torch.tensor(logits_idx, dtype=torch.long, device=dev) if logits_idx else None,
+            sample_reqs,
+        )
+
+    def uses_decode_step(self, out: SchedulerOutput) -> bool:
+        """Which path runs this step: the one-call decode step when it is built,
+        every scheduled sequence decodes one token and samples, and they fit."""
+        step = self.decode_step
+        return step is not None and len(out.requests) <= step.max_batch and all(
+            n == 1 and r.num_computed_tokens + 1 == r.num_tokens
+            for r, n in zip(out.requests, out.num_scheduled_tokens))
+
+    def _decode_step_inputs(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode step's token rows (id, position, slot) and block table."""
+        bs = self.block_size
+        tokens = []
+        for r in reqs:
+            c = r.num_computed_tokens
+            tokens.append((r.token_ids[c], c, r.block_ids[c // bs] * bs + c % bs))
+        nblk = max(c for _, c, _ in tokens) // bs + 1  # blocks of the longest context
+        table = self.block_table.table(self.block_table.rows(reqs), nblk)
+        return torch.tensor(tokens, dtype=torch.long), table
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        argmax = None
+        if self.uses_decode_step(out):
+            sample_reqs = out.requests
+            logits, argmax = self.decode_step(*self._decode_step_inputs(sample_reqs))
+        else:
+            input_ids, positions, meta, logits_idx, sample_reqs = self.prepare(out)
+            logits = self.model.forward(input_ids, positions, self.kv_caches, meta, logits_idx)
+        if logits is None:
+            return ModelRunnerOutput([], [])
+        smeta = SamplingMetadata.build(
+            params=[r.sampling_params for r in sample_reqs],
+            generators=[r.generator for r in sample_reqs],
+            prompt_token_ids=[r.prompt_token_ids for r in sample_reqs],
+            output_token_ids=[r.output_token_ids for r in sample_reqs],
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+        if argmax is not None and smeta.argmax_only:
+            return ModelRunnerOutput(sample_reqs, argmax.tolist())  # the step's one host sync
+        so = self.sampler(logits, smeta)
+        sampled = so.sampled_token_ids.tolist()  # the step's one host sync
+        logprobs = None
+        if so.logprobs is not None:
+            lp, ids = so.logprobs.tolist(), so.logprob_token_ids.tolist()
+            logprobs = []
+            for r, row_lp, row_ids in zip(sample_reqs, lp, ids):
+                k = r.sampling_params.logprobs
+                if k is None:
+                    logprobs.append(None)
+                else:
+                    logprobs.append(dict(zip(row_ids[: k + 1], row_lp[: k + 1])))
+        return ModelRunnerOutput(sample_reqs, sampled, logprobs)
