@@ -7,8 +7,10 @@ HTTP layer turns it into a 400), never an assert deep inside a step.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from typing import Any
 
 # vLLM's threshold: below it, temperature means greedy (argmax) decoding.
 _SAMPLING_EPS = 1e-5
@@ -20,6 +22,49 @@ def _is_number(value: object) -> bool:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's names): exactly one of JSON matching a
+    schema, any JSON object, a regex, one of a list of choices, or a grammar
+    (Lark/EBNF as the grammar backend accepts).
+
+    Only the shape is checked here; whether a schema, regex or grammar compiles
+    is the grammar backend's verdict, given when the request is added.
+    """
+
+    json: str | dict[str, Any] | None = None  # a JSON schema, as an object or its text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None  # any JSON object (OpenAI's json_object mode)
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, "
+                             f"grammar, json_object; got {given or 'none'}.")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object), "
+                             f"got {type(self.json).__name__}.")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string.")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) for c in self.choice)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
+            self.choice = list(self.choice)
+        if self.json_object not in (None, True, False):
+            raise ValueError("structured_outputs.json_object must be a boolean.")
 
 
 @dataclass
@@ -48,6 +93,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # top logprobs to return besides the sampled token
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._check_int("n", self.n, minimum=1)
@@ -79,6 +125,9 @@ class SamplingParams:
             )
         if self.logprobs is not None:
             self._check_int("logprobs", self.logprobs, minimum=0)
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams.")
 
         if self.stop is None:
             stop: list[str] = []
