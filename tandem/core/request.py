@@ -108,7 +108,6 @@ class Request:
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
         self.num_cached_tokens = -1  # prefix-cache hit on first admission; -1 = not yet
         self.num_preemptions = 0
-        self.stop_reason: int | str | None = None
         self.times = RequestTimes() if arrival_time is None else RequestTimes(arrival=arrival_time)
 
     @property
@@ -122,10 +121,6 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
-
-    @property
-    def finish_reason(self) -> str | None:
-        return FINISH_REASONS.get(self.status)
 
     def __repr__(self) -> str:
         return (

@@ -7,6 +7,10 @@ KV cache; new requests and aborts reach it through a lock-protected inbox that
 it drains between steps. torch releases the GIL inside its ops, so the event
 loop stays responsive while a step runs.
 
+Per step the engine thread hands each event loop one batch of token outputs
+(one cross-thread call, not one per request); detokenization and stop strings
+run there (``process_output``), overlapping the next step's forward pass.
+
 Abort on disconnect: if the consumer stops iterating (client gone, task
 cancelled), the generator's ``finally`` aborts the request and frees its blocks.
 """
@@ -14,15 +18,18 @@ cancelled), the generator's ``finally`` aborts the request and frees its blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 
 import torch
 
 from tandem.config import EngineConfig
-from tandem.core.request import Request
-from tandem.engine.client import EngineDeadError, EngineStats, ModelInfo
+from tandem.core.output_processor import EngineCoreOutput, process_output
+from tandem.core.request import Request, RequestStatus
+from tandem.engine.client import EngineDeadError, EngineStats, ModelInfo, RequestState
 from tandem.engine.llm_engine import LLMEngine
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -45,7 +52,9 @@ class AsyncEngine:
         """
         self._cond = threading.Condition()
         self._new: list[Request] = []
-        self._aborts: list[str] = []
+        self._aborts: list[tuple[str, RequestStatus]] = []
+        # Callers of request_states, answered by the engine thread between two steps.
+        self._state_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         # request id -> (event loop, queue) of the awaiting caller
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
@@ -111,9 +120,11 @@ class AsyncEngine:
             if not finished:
                 self.abort(rid)
 
-    def abort(self, request_id: str) -> None:
+    def abort(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
         with self._cond:
-            self._aborts.append(request_id)
+            self._aborts.append((request_id, status))
             self._cond.notify()
 
     @property
@@ -137,8 +148,22 @@ class AsyncEngine:
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
             prompt_tokens_total=e.num_prompt_tokens_total,
             generation_tokens_total=e.num_generation_tokens_total,
-            num_threads=self.num_threads,
+            num_threads=self.num_threads, num_kv_blocks=kv.num_blocks, num_steps=e.num_steps,
+            scheduled_tokens_total=sched.num_scheduled_tokens,
+            prefill_tokens_total=sched.num_prefill_tokens,
         )
+
+    async def request_states(self) -> list[RequestState]:
+        """Taken by the engine thread between two steps, and only when asked: a
+        live view's once a second costs the step loop nothing in between."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        with self._cond:
+            if self.dead:
+                return []
+            self._state_waiters.append((loop, future))
+            self._cond.notify()
+        return await future
 
     @property
     def num_threads(self) -> int | None:
@@ -158,7 +183,34 @@ class AsyncEngine:
             self._cond.notify()
         self._thread.join(timeout=30)
 
+    def _on_outputs(self, batch: list[tuple[asyncio.Queue, EngineCoreOutput]]) -> None:
+        """One step's outputs for this event loop: text, stop strings, then the queues."""
+        for queue, core in batch:
+            out, stopped_by_string = process_output(core)
+            if out is None:  # produced after a stop string ended the request
+                continue
+            if stopped_by_string:
+                with self._cond:
+                    self._streams.pop(out.request_id, None)
+                self.abort(out.request_id, RequestStatus.FINISHED_STOPPED)
+            queue.put_nowait(out)
+
     # ------------------------------------------------------------ engine side
+    def _deliver_batch(self, outputs: list[EngineCoreOutput]) -> None:
+        """Hand each caller's event loop its share of one step, in one call."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._cond:
+            for core in outputs:
+                rid = core.request.request_id
+                entry = self._streams.pop(rid, None) if core.status else self._streams.get(rid)
+                if entry is not None:
+                    batches.setdefault(entry[0], []).append((entry[1], core))
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(self._on_outputs, batch)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening
+                pass
+
     def _deliver(self, rid: str, item: RequestOutput | BaseException, last: bool) -> None:
         entry = self._streams.pop(rid, None) if last else self._streams.get(rid)
         if entry is not None:
@@ -175,29 +227,46 @@ class AsyncEngine:
         step = self.tuner.step if self.tuner is not None else (lambda run: run())
         while True:
             with self._cond:
-                while not (self._stopped or self._new or self._aborts
+                while not (self._stopped or self._new or self._aborts or self._state_waiters
                            or engine.has_unfinished_requests()):
                     self._cond.wait()
                 if self._stopped:
                     break
                 new, self._new = self._new, []
                 aborts, self._aborts = self._aborts, []
+                waiters, self._state_waiters = self._state_waiters, []
             for req in new:
                 engine.add_request(req)
-            for rid in aborts:
-                engine.abort_request(rid)
+            for rid, status in aborts:
+                engine.abort_request(rid, status)
                 with self._cond:
                     self._streams.pop(rid, None)
+            if waiters:
+                _answer(waiters, [RequestState.of(r, time.monotonic())
+                                  for r in engine.requests.values()])
             try:
-                outputs = step(engine.step)
+                outputs = step(engine.step_core)
             except Exception as e:  # fail what is in flight, keep serving new requests
                 logger.exception("engine step failed")
                 for rid in list(engine.requests):
                     engine.abort_request(rid)
                     self._deliver(rid, EngineDeadError(f"engine step failed: {e}"), True)
                 continue
-            for out in outputs:
-                self._deliver(out.request_id, out, out.finished)
+            self._deliver_batch(outputs)
         for rid in list(engine.requests):
             engine.abort_request(rid)
             self._deliver(rid, EngineDeadError("the engine is shut down"), True)
+        with self._cond:
+            _answer(self._state_waiters, [])
+
+
+def _answer(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]],
+            states: list[RequestState]) -> None:
+    """Resolve each caller's future on its own loop (one that gave up is skipped)."""
+    def settle(future: asyncio.Future) -> None:
+        if not future.done():
+            future.set_result(states)
+
+    for loop, future in waiters:
+        with contextlib.suppress(RuntimeError):  # the caller's loop is closed
+            loop.call_soon_threadsafe(settle, future)

@@ -19,12 +19,13 @@ import torch
 from tandem.config import EngineConfig
 from tandem.core.detokenizer import IncrementalDetokenizer
 from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.output_processor import EngineCoreOutput, process_output
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler import Scheduler
 from tandem.model.attention import AttentionMetadata, build_group
 from tandem.model.kv_cache import kv_cache_class
 from tandem.model.loader import load_model, resolve_model
-from tandem.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.tokenizer import Tokenizer
 from tandem.worker.model_runner import ModelRunner, allocate_kv_caches
@@ -319,20 +320,40 @@ class LLMEngine:
         self.scheduler.add_request(req)
         return req
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request wherever it is and free its blocks (unknown ids: no-op)."""
+    def abort_request(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> EngineCoreOutput | None:
+        """Stop a request wherever it is and free its blocks (unknown ids: no-op).
+
+        ``status`` FINISHED_STOPPED: a stop string, found outside the step thread,
+        ended it.
+        """
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        self._finish(req, status)
         req.times.finished = time.monotonic()
-        return self._output(req, [], "", None, req.times.finished)
+        return EngineCoreOutput(req, [], None, status, None, req.num_output_tokens,
+                                req.times.finished)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        """One step, its outputs with text (offline use: LLM, the CLI)."""
+        outputs = []
+        for core in self.step_core():
+            out, stopped_by_string = process_output(core)
+            if stopped_by_string:  # the request ends in this step, as if a token ended it
+                self.abort_request(out.request_id, RequestStatus.FINISHED_STOPPED)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def step_core(self) -> list[EngineCoreOutput]:
+        """Schedule, run the model, append each sampled token, end what token ids
+        end (EOS, stop ids, max_tokens); text is ``process_output``'s job."""
         now = time.monotonic()
         sched = self.scheduler.schedule(now)
         for req in sched.preempted:  # recomputed later, in fresh blocks
@@ -353,7 +374,7 @@ class LLMEngine:
 
     def _append_token(
         self, req: Request, tok: int, logprobs: dict[int, float] | None, now: float
-    ) -> RequestOutput:
+    ) -> EngineCoreOutput:
         req.append_token(tok)
         if logprobs is not None:
             req.logprobs.append(logprobs)
@@ -364,70 +385,21 @@ class LLMEngine:
         t.last_token = now
         p = req.sampling_params
         n_out = req.num_output_tokens
-        status = None
-        text_tok = True
+        status = stop_id = None
         if n_out >= p.min_tokens:
             if tok in self.eos_token_ids and not p.ignore_eos:
-                status, text_tok = RequestStatus.FINISHED_STOPPED, False
+                status = RequestStatus.FINISHED_STOPPED
             elif tok in p.stop_token_ids:
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
-                text_tok = False
-        detok = req.detokenizer
-        if detok is not None and text_tok:
-            stop_str = detok.add_token(tok)  # honours min_tokens itself
-            if stop_str is not None:
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+                status, stop_id = RequestStatus.FINISHED_STOPPED, tok
         if status is None and n_out >= req.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
-        delta = "" if detok is None else detok.take_delta(finished=status is not None)
         if status is not None:
             self._finish(req, status)
             self.requests.pop(req.request_id, None)
             t.finished = now
-        return self._output(req, [tok], delta, logprobs, now)
+        return EngineCoreOutput(req, [tok], logprobs, status, stop_id, n_out, now)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         """The request leaves the scheduler, its blocks and its block-table row."""
         self.scheduler.finish_request(req, status)
         self.runner.block_table.release(req.request_id)
-
-    def _output(
-        self,
-        req: Request,
-        new_ids: list[int],
-        delta: str,
-        logprobs: dict[int, float] | None,
-        now: float,
-    ) -> RequestOutput:
-        out = RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            new_token_ids=new_ids,
-            delta_text=delta,
-            finished=req.status.finished,
-            time=now,
-            new_logprobs=None if logprobs is None else [logprobs],
-        )
-        if out.finished:
-            t = req.times
-            out.outputs = [CompletionOutput(
-                text=req.detokenizer.text if req.detokenizer else "",
-                token_ids=list(req.output_token_ids),
-                finish_reason=req.finish_reason,
-                stop_reason=req.stop_reason,
-                logprobs=req.logprobs if req.sampling_params.logprobs is not None else None,
-            )]
-            out.metrics = RequestMetrics(
-                arrival_time=t.arrival,
-                first_scheduled_time=t.first_scheduled,
-                first_token_time=t.first_token,
-                finished_time=t.finished,
-                queued_s=t.queued_s,
-                prefill_s=t.prefill_s,
-                decode_s=t.decode_s,
-                num_prompt_tokens=req.num_prompt_tokens,
-                num_cached_tokens=max(req.num_cached_tokens, 0),
-                num_output_tokens=req.num_output_tokens,
-                num_preemptions=req.num_preemptions,
-            )
-        return out

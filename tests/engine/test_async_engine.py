@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -65,3 +66,52 @@ def test_bad_input_raises_before_queueing(engine):
                 pass
 
     asyncio.run(main())
+
+
+def test_one_cross_thread_call_per_step_and_stop_strings_on_the_loop(default_model_dir):
+    """Outputs cross to the event loop as one batch per step; a stop string found
+    there ends the stream at once and the engine frees the request's blocks."""
+    eng = AsyncEngine(EngineConfig(kv_cache_memory="64MiB", max_model_len=256))
+    calls = []
+    real = asyncio.BaseEventLoop.call_soon_threadsafe
+
+    def counting(loop, cb, *args, **kwargs):
+        calls.append(cb)
+        return real(loop, cb, *args, **kwargs)
+
+    try:
+        async def main():
+            free = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
+            plain = [o async for o in eng.generate("One, two, three, four,", free)]
+            text = "".join(o.delta_text for o in plain)
+            stop = text.split()[2]  # a word the greedy continuation reaches
+            before = eng.engine.num_steps
+            asyncio.BaseEventLoop.call_soon_threadsafe = counting
+            gens = [eng.generate("One, two, three, four,", SamplingParams(
+                max_tokens=12, ignore_eos=True, temperature=0, stop=[stop]))
+                for _ in range(4)]
+            stopped = await asyncio.gather(*[_collect(g) for g in gens])
+            asyncio.BaseEventLoop.call_soon_threadsafe = real
+            return text, stop, stopped, eng.engine.num_steps - before
+
+        text, stop, stopped, steps = asyncio.run(main())
+        for outs in stopped:
+            final = outs[-1]
+            assert final.finished and final.outputs[0].finish_reason == "stop"
+            assert final.outputs[0].stop_reason == stop
+            assert "".join(o.delta_text for o in outs) == text[:text.index(stop)]
+            assert final.outputs[0].text == text[:text.index(stop)]
+        # four streams, one batch per step (not one call per request per step)
+        assert 0 < len(calls) <= steps
+        for _ in range(200):
+            if eng.engine.kv_manager.usage == 0 and not eng.engine.has_unfinished_requests():
+                break
+            time.sleep(0.01)
+        assert eng.engine.kv_manager.usage == 0 and not eng.engine.requests
+    finally:
+        asyncio.BaseEventLoop.call_soon_threadsafe = real
+        eng.shutdown()
+
+
+async def _collect(gen):
+    return [o async for o in gen]

@@ -83,11 +83,11 @@ def slow_down(engine: AsyncEngine, step_delay_s: float) -> AsyncEngine:
     "requests are still running while the burst arrives" true on any machine,
     without burning the CPU the HTTP side needs.
     """
-    step = engine.engine.step
+    step = engine.engine.step_core
 
     def slow_step():
         time.sleep(step_delay_s)
         return step()
 
-    engine.engine.step = slow_step
+    engine.engine.step_core = slow_step
     return engine

@@ -123,7 +123,7 @@ def test_non_streaming_client_that_leaves_is_aborted(disconnect_server):
 
 def test_engine_failure_mid_stream_is_an_error_event(start_server, tiny_config_path):
     engine = tiny_engine(tiny_config_path)
-    step, calls = engine.engine.step, []
+    step, calls = engine.engine.step_core, []
 
     def failing_step():
         calls.append(1)
@@ -131,7 +131,7 @@ def test_engine_failure_mid_stream_is_an_error_event(start_server, tiny_config_p
             raise RuntimeError("injected fault")
         return step()
 
-    engine.engine.step = failing_step
+    engine.engine.step_core = failing_step
     s = start_server(engine)
     with httpx.stream("POST", f"{s.url}/v1/completions", timeout=30,
                       json=_completion(50, stream=True)) as r:
