@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 # Weight formats of the layer matmuls (tandem.model.linear; "auto" is
 # tandem.model.loader.fuse_weights' rule for a GGUF's own formats).
@@ -115,6 +116,25 @@ def _read_quota(d: Path, files: tuple[str, ...]) -> float | None:
     return int(quota) / int(period)
 
 
+def _flag(default: Any, help: str, *, choices: tuple | None = None, type: type | None = None,
+          minimum: int | None = None, flags: tuple[str, ...] | None = None) -> Any:
+    """A field that is also a command-line flag: the CLI is generated from these
+    (entrypoints/cli.py), and ``EngineConfig`` checks choices and minimums, so
+    a default, a help text or a valid range is written once."""
+    return field(default=default, metadata={
+        "help": help, "choices": choices, "type": type, "minimum": minimum, "flags": flags})
+
+
+def flag_names(f: Any) -> tuple[str, ...]:
+    """The command-line spellings of a config field (vLLM's: --max-num-seqs)."""
+    return f.metadata.get("flags") or ("--" + f.name.replace("_", "-"),)
+
+
+def cli_fields(cls: type) -> list[Any]:
+    """The dataclass fields that are command-line flags."""
+    return [f for f in fields(cls) if "help" in f.metadata]
+
+
 @dataclass
 class EngineConfig:
     """Model, cache and scheduler settings (vLLM's flag names, snake_cased).
@@ -131,67 +151,71 @@ class EngineConfig:
         while other processes take CPUs.
     """
 
-    model: str | None = None
-    load_format: str = "auto"  # auto | gguf | hf | dummy
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda
-    # none | int8 | int4 (every layer matmul) | auto (a GGUF's own block formats;
-    # float weights stay float).
-    quantization: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_cache_memory: int | str | None = None
-    kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 (~2x the tokens of 16-bit)
-    gpu_memory_utilization: float = 0.92
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    num_threads: int | None = None
+    model: str | None = _flag(
+        None, "GGUF file or HF model directory (default: the embedded SmolLM2-135M-Instruct)")
+    load_format: str = _flag(
+        "auto", "dummy = random weights for the model's config.json (benchmarking)",
+        choices=("auto", "gguf", "hf", "dummy"))
+    dtype: str = _flag(
+        "auto", "auto = float32 on CPU (bf16 matmuls are very slow there), bfloat16 on CUDA",
+        choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = _flag("auto", "where the model runs", choices=("auto", "cpu", "cuda"))
+    quantization: str = _flag(
+        "auto", "weight quantization of the layer matmuls: fewer bytes read per decode step "
+        "(int8: per-channel weights, activations in groups of 32; int4: groups of 32; auto: "
+        "a GGUF's own formats, Q8_0 as int8, Q4_0/Q4_1/Q4_K as int4, other block formats as "
+        "int8 groups; float weights stay float)",
+        choices=QUANTIZATIONS, flags=("--quantization", "-q"))
+    seed: int = _flag(0, "seed for dummy weights")
+    max_model_len: int | None = _flag(
+        None, "context window (prompt + output); longer requests get an error, never a "
+        "silently truncated prompt", type=int, minimum=2)
+    block_size: int = _flag(16, "tokens per KV cache block",
+                            choices=(1, 2, 4, 8, 16, 32, 64, 128))
+    kv_cache_memory: int | str | None = _flag(
+        None, "KV pool size, e.g. 2GiB (CPU default 2GiB; on CUDA the default comes from "
+        "--gpu-memory-utilization)", type=str)
+    kv_cache_dtype: str = _flag(
+        "auto", "int8: K/V stored as int8 with a scale per token and head, ~3.8x the tokens "
+        "of an fp32 cache (~1.9x of 16-bit) in the same memory", choices=("auto", "int8"))
+    gpu_memory_utilization: float = _flag(
+        0.92, "fraction of GPU memory for weights + KV cache")
+    max_num_seqs: int = _flag(64, "most requests in one batch", minimum=1)
+    max_num_batched_tokens: int | None = _flag(
+        None, "per-step token budget (default: measured from the model's cost on CPU, 8192 "
+        "on CUDA): small protects inter-token latency, large protects TTFT", type=int,
+        minimum=1)
+    enable_chunked_prefill: bool = _flag(
+        True, "split long prompts over steps (off: each prompt in one step, which needs a "
+        "budget >= max-model-len)")
+    enable_prefix_caching: bool = _flag(True, "reuse the KV of shared prompt prefixes")
+    num_threads: int | None = _flag(
+        None, "CPU threads for the model (default: the cores this process may use, from its "
+        "affinity mask and cgroup CPU quota; `tandem serve` then uses fewer while other "
+        "processes keep CPUs busy; a number fixes it)", type=int, minimum=1,
+        flags=("--threads", "--num-threads"))
     # None: when num_threads is not given (AsyncEngine's ThreadTuner)
     adaptive_threads: bool | None = None
-    skip_tokenizer_init: bool = False
+    skip_tokenizer_init: bool = False  # a server flag (token-id prompts only)
 
     def __post_init__(self) -> None:
-        if self.load_format not in ("auto", "gguf", "hf", "dummy"):
-            raise ValueError(
-                f"--load-format must be auto, gguf, hf or dummy, got {self.load_format!r}"
-            )
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
-            )
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"--quantization must be one of {', '.join(QUANTIZATIONS)}, "
-                f"got {self.quantization!r}"
-            )
-        if self.kv_cache_dtype not in ("auto", "int8"):
-            raise ValueError(
-                f"--kv-cache-dtype must be auto or int8, got {self.kv_cache_dtype!r}"
-            )
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise ValueError(f"--block-size must be a power of two <= 128, got {self.block_size}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        for f in cli_fields(type(self)):
+            value, meta, flag = getattr(self, f.name), f.metadata, flag_names(f)[0]
+            if meta["choices"] is not None and value not in meta["choices"]:
+                raise ValueError(f"{flag} must be one of "
+                                 f"{', '.join(map(str, meta['choices']))}, got {value!r}")
+            if meta["minimum"] is not None and value is not None:
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise ValueError(f"{flag} must be an integer, got {value!r}")
+                if value < meta["minimum"]:
+                    raise ValueError(f"{flag} must be >= {meta['minimum']}, got {value}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.max_num_seqs < 1:
-            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
         if self.adaptive_threads is None:
             self.adaptive_threads = self.num_threads is None
         if self.num_threads is None:
             self.num_threads = default_threads()
-        elif self.num_threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {self.num_threads}")

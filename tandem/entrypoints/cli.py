@@ -7,7 +7,7 @@ import importlib
 import logging
 import sys
 
-from tandem.config import QUANTIZATIONS, EngineConfig
+from tandem.config import EngineConfig, cli_fields, flag_names
 from tandem.entrypoints.server.args import add_server_args
 
 # The tools (tandem[tools] extra: httpx, matplotlib) register their own sub-commands.
@@ -30,64 +30,23 @@ engine flags (vLLM's names):
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, its help, choices and default taken from the
+    field (tandem/config.py is the one place an engine default is written)."""
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="GGUF file or HF model directory (default: the embedded "
-                        "SmolLM2-135M-Instruct)")
-    g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "hf", "dummy"],
-                   help="dummy = random weights for the model's config.json (benchmarking)")
-    g.add_argument("--dtype", default="auto",
-                   choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto = float32 on CPU (bf16 matmuls are very slow there), "
-                        "bfloat16 on CUDA")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--quantization", "-q", default=EngineConfig.quantization,
-                   choices=QUANTIZATIONS,
-                   help="weight quantization of the layer matmuls: fewer bytes read per "
-                        "decode step (int8: per-channel weights, activations in groups of "
-                        "32; int4: groups of 32; auto: a GGUF's own formats, Q8_0 as int8, "
-                        "Q4_0/Q4_1/Q4_K as int4, other block formats as int8 groups)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context window (prompt + output); longer requests get an error, "
-                        "never a silently truncated prompt")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    g.add_argument("--kv-cache-memory", default=None,
-                   help="KV pool size, e.g. 2GiB (CPU default 2GiB; on CUDA the default "
-                        "comes from --gpu-memory-utilization)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
-                   help="int8: K/V stored as int8 with a scale per token and head, "
-                        "~3.8x the tokens of an fp32 cache (~1.9x of 16-bit) in the same memory")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.92,
-                   help="fraction of GPU memory for weights + KV cache (default 0.92)")
-    g.add_argument("--max-num-seqs", type=int, default=64,
-                   help="most requests in one batch (default 64)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="per-step token budget (default 128 on CPU, 8192 on CUDA): "
-                        "small protects inter-token latency, large protects TTFT")
-    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
-                   action="store_false",
-                   help="prefill each prompt in one step (needs a budget >= max-model-len)")
-    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
-                   action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV of shared prompt prefixes (default on)")
-    g.add_argument("--threads", "--num-threads", dest="num_threads", type=int, default=None,
-                   help="CPU threads for the model (default: the cores this process may use, "
-                        "from its affinity mask and cgroup CPU quota; `tandem serve` then "
-                        "uses fewer while other processes keep CPUs busy; a number fixes it)")
-    g.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
+    for f in cli_fields(EngineConfig):
+        meta, kwargs = f.metadata, {"dest": f.name, "default": f.default}
+        if isinstance(f.default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = meta["type"] or (str if f.default is None else type(f.default))
+            if meta["choices"] is not None:
+                kwargs["choices"] = meta["choices"]
+        default = "" if f.default is None else f" (default {f.default})"
+        g.add_argument(*flag_names(f), help=meta["help"] + default, **kwargs)
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=a.model, load_format=a.load_format, dtype=a.dtype, device=a.device,
-        quantization=a.quantization,
-        max_model_len=a.max_model_len, block_size=a.block_size,
-        kv_cache_memory=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype,
-        gpu_memory_utilization=a.gpu_memory_utilization,
-        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-        enable_chunked_prefill=a.enable_chunked_prefill,
-        enable_prefix_caching=a.enable_prefix_caching, num_threads=a.num_threads, seed=a.seed,
-    )
+    return EngineConfig(**{f.name: getattr(a, f.name) for f in cli_fields(EngineConfig)})
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

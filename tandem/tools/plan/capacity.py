@@ -39,6 +39,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tandem.config import EngineConfig
 from tandem.tools.plan.devices import GB, Device, GiB, MiB
 from tandem.tools.plan.presets import ModelSpec
 
@@ -47,8 +48,8 @@ KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "16bit", "fp8", "int8", "8bit", "q8
 INT4_GROUP = 32
 KV8_GROUP = 32
 KV8_DTYPES = ("int8", "fp8", "q8_0")
-BLOCK_SIZE = 16
-DEFAULT_GPU_UTILIZATION = 0.92
+BLOCK_SIZE = EngineConfig.block_size
+DEFAULT_GPU_UTILIZATION = EngineConfig.gpu_memory_utilization
 DEFAULT_CPU_RESERVE = 2 * GiB
 COMPUTE_EFFICIENCY = 0.5  # fraction of peak FLOPs a real step reaches
 READABLE_TOK_S = 10.0  # below this, text types out slower than people like to read
