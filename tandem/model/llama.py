@@ -7,9 +7,10 @@ residual add fused where it can be); RoPE cos/sin are precomputed for every posi
 K/V go into the paged cache with one indexed copy per layer. The logits are
 computed only for the rows that sample.
 
-On CPU in fp32, tandem's fused kernels (tandem.kernels.custom_ops: RMSNorm, RoPE plus
-the cache write, SiLU-and-mul, decode attention) replace ~15 small ops per
-layer; the torch code beside each call is the reference path used without them.
+On CPU in fp32, tandem's fused kernels (``FusedOps``: RMSNorm, RoPE plus the cache
+write, SiLU-and-mul; decode attention in tandem.model.attention) replace ~15 small
+ops per layer; ``ReferenceOps`` is the same layer in torch, used without them.
+One forward, two implementations of its small ops, chosen once per call.
 Steps where every sequence decodes skip this forward altogether: the model
 runner hands them to tandem.worker.decode_step, one C++ call for all layers.
 """
@@ -201,6 +202,63 @@ class Layer:
         self.k_norm = w.get("k_norm")
 
 
+class ReferenceOps:
+    """The layer's small ops in torch: any device and dtype, and the reference the
+    fused kernels are tested against."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+    @staticmethod
+    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, -1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def rope(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """Per-forward RoPE inputs (the tables gathered once, not per layer)."""
+        return (cos.index_select(0, positions).unsqueeze(1),  # [T, 1, D]
+                sin.index_select(0, positions).unsqueeze(1))
+
+    @staticmethod
+    def rope_and_cache(qkv: torch.Tensor, rope: tuple, h: int, hkv: int, cache: KVCache,
+                       slots: torch.Tensor) -> torch.Tensor:
+        """RoPE on Q and K, K and V into their cache slots; returns Q."""
+        cos, sin = rope
+        t, _, d = qkv.shape
+        qk = qkv[:, : h + hkv]
+        qk = qk * cos + qk.roll(d // 2, -1) * sin
+        cache.write(slots, torch.cat((qk[:, h:], qkv[:, h + hkv :]), 1).view(t, 2, hkv, d))
+        return qk[:, :h]
+
+
+class FusedOps(ReferenceOps):
+    """tandem's CPU kernels (fp32), each replacing several torch ops per layer."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() != 2:  # Qwen3's per-head q/k norms
+            return ReferenceOps.rms_norm(x, w, eps)
+        return torch.ops.tandem.rms_norm(x, w, eps)
+
+    @staticmethod
+    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        return torch.ops.tandem.silu_and_mul(gate_up)
+
+    @staticmethod
+    def rope(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple:
+        return cos, sin, positions
+
+    @staticmethod
+    def rope_and_cache(qkv: torch.Tensor, rope: tuple, h: int, hkv: int, cache: KVCache,
+                       slots: torch.Tensor) -> torch.Tensor:
+        cos, sin, positions = rope  # in place on Q and K
+        torch.ops.tandem.rotary_embedding_and_cache(
+            qkv, positions, cos, sin, h, hkv, *cache.kernel_args, slots)
+        return qkv[:, :h]
+
+
 class LlamaModel:
     """Forward over a flat batch: (token ids, positions, attention metadata)."""
 
@@ -219,6 +277,7 @@ class LlamaModel:
         # rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]: one op fewer than cat.
         self.cos = torch.cat((freqs.cos(), freqs.cos()), -1).to(dev, dt)
         self.sin = torch.cat((-freqs.sin(), freqs.sin()), -1).to(dev, dt)
+        # Which implementation of the small ops runs (tests flip it to compare paths).
         self.fused = dev.type == "cpu" and dt == torch.float32 and custom_ops.available()
 
     @property
@@ -230,17 +289,6 @@ class LlamaModel:
         """The activations' dtype (a quantized model's embedding is fp16, a row lookup)."""
         return self.norm.dtype
 
-    def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.fused and x.dim() == 2:
-            return torch.ops.tandem.rms_norm(x, w, self.eps)
-        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
-
-    def _silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return torch.ops.tandem.silu_and_mul(gate_up)
-        gate, up = gate_up.chunk(2, -1)
-        return F.silu(gate) * up
-
     @torch.inference_mode()
     def forward(
         self,
@@ -251,36 +299,25 @@ class LlamaModel:
         logits_indices: torch.Tensor | None,
     ) -> torch.Tensor | None:
         """Run the flat batch; returns fp32 logits for the rows in logits_indices."""
-        h, hkv, d = self.h, self.hkv, self.d
+        h, hkv, d, eps = self.h, self.hkv, self.d, self.eps
         t = input_ids.shape[0]
-        fused = self.fused
-        if not fused:
-            cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
-            sin = self.sin.index_select(0, positions).unsqueeze(1)
+        ops = FusedOps if self.fused else ReferenceOps
+        rope = ops.rope(self.cos, self.sin, positions)
         x = self.embed.index_select(0, input_ids).to(self.dtype)
         slots = meta.slot_mapping
         for layer, cache in zip(self.layers, kv_caches):
-            qkv = layer.qkv(self._rms_norm(x, layer.input_norm)).view(t, h + 2 * hkv, d)
+            qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, eps)).view(t, h + 2 * hkv, d)
             if layer.q_norm is not None:  # a fresh tensor: normalized in place
-                qkv[:, :h] = self._rms_norm(qkv[:, :h], layer.q_norm)
-                qkv[:, h : h + hkv] = self._rms_norm(qkv[:, h : h + hkv], layer.k_norm)
-            if fused:  # RoPE in place on Q and K, then K and V into their slots
-                torch.ops.tandem.rotary_embedding_and_cache(
-                    qkv, positions, self.cos, self.sin, h, hkv, *cache.kernel_args, slots
-                )
-                q = qkv[:, :h]
-            else:
-                qk = qkv[:, : h + hkv]
-                qk = qk * cos + qk.roll(d // 2, -1) * sin
-                cache.write(slots, torch.cat((qk[:, h:], qkv[:, h + hkv :]), 1).view(t, 2, hkv, d))
-                q = qk[:, :h]
+                qkv[:, :h] = ops.rms_norm(qkv[:, :h], layer.q_norm, eps)
+                qkv[:, h : h + hkv] = ops.rms_norm(qkv[:, h : h + hkv], layer.k_norm, eps)
+            q = ops.rope_and_cache(qkv, rope, h, hkv, cache, slots)
             attn = paged_attention(q, cache, meta, self.scale)
             x = layer.o.add(x, attn)
-            x = layer.down.add(x, self._silu_and_mul(
-                layer.gate_up(self._rms_norm(x, layer.post_norm))))
+            x = layer.down.add(x, ops.silu_and_mul(
+                layer.gate_up(ops.rms_norm(x, layer.post_norm, eps))))
         if logits_indices is None:
             return None
-        x = self._rms_norm(x.index_select(0, logits_indices), self.norm)
+        x = ops.rms_norm(x.index_select(0, logits_indices), self.norm, eps)
         return self.lm_head(x).float()
 
     @property
