@@ -9,7 +9,7 @@ PROMPT  ?= In one paragraph: why is the first token slow and the rest fast?
 # e.g. make serve SERVE_ARGS="--host 0.0.0.0 --port 11434 --max-queue 16"
 SERVE_ARGS ?=
 
-.PHONY: setup serve run test test-slow lint bench clean
+.PHONY: setup serve run test test-unit test-slow lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The fast tier: no model loaded (kernels, sampler, KV accounting, config, layer rules).
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
 
 # Opt-in: the Qwen2 0.5B model (six PyPI chunks, 485 MB) and other slow checks.
 test-slow: $(STAMP)

@@ -1,6 +1,6 @@
 """Servers for the bench tests, and a proxy that timestamps what really went over the wire.
 
-* ``bench_server``: the default model (SmolLM2) behind an API key;
+* ``real_server`` (tests/server/conftest.py): the default model behind an API key;
 * ``tiny_server``: the tiny random model, slowed down, with a one-slot queue
   (real 503s) — token-id prompts only;
 * ``fake_server``: a scriptable OpenAI/Ollama stand-in with exact delays and
@@ -24,24 +24,22 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tandem.config import EngineConfig
-from tandem.engine.async_engine import AsyncEngine
 from tandem.entrypoints.server.app import ServerConfig
-from tests.server.conftest import RunningServer, slow_down, start_server, tiny_engine
+from tests.server.conftest import (
+    API_KEY,
+    RunningServer,
+    real_server,
+    slow_down,
+    start_server,
+    tiny_engine,
+)
 from tests.serving import app_servers, serve_app
 
-__all__ = ["start_server"]  # the session fixture, re-exported for this directory
-
-API_KEY = "bench-key"
+# the session fixtures (one real-model server for the whole suite), re-exported here
+__all__ = ["API_KEY", "real_server", "start_server"]
 
 
 # ------------------------------------------------------------ real servers
-@pytest.fixture(scope="session")
-def bench_server(start_server) -> RunningServer:
-    engine = AsyncEngine(EngineConfig(kv_cache_memory="256MiB", max_model_len=1024))
-    return start_server(engine, ServerConfig(api_key=API_KEY, served_model_names=["smollm2"]))
-
-
 @pytest.fixture(scope="session")
 def tiny_server(start_server, tiny_config_path) -> RunningServer:
     """One sequence at a time and no queue: a burst gets real 503s from tandem."""

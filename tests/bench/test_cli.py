@@ -68,9 +68,9 @@ def test_sweep_over_concurrency(tiny_batch_server, recording_proxy, tmp_path, ca
 
 
 @pytest.mark.parametrize("dataset", ["shared-prefix", "chat"])
-def test_datasets_end_to_end_on_the_default_model(bench_server, tmp_path, dataset):
+def test_datasets_end_to_end_on_the_default_model(real_server, tmp_path, dataset):
     """shared-prefix really hits the prefix cache; chat's messages pass the real template."""
-    assert main(["bench", "serve", "--base-url", bench_server.url, "--api-key", API_KEY,
+    assert main(["bench", "serve", "--base-url", real_server.url, "--api-key", API_KEY,
                  "--backend", "openai-chat", "--dataset-name", dataset,
                  "--shared-prefix-len", "96", "--shared-prefix-question-len", "8",
                  "--num-prompts", "3", "--max-concurrency", "1", "--output-len", "2",

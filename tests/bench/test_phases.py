@@ -14,8 +14,8 @@ from tandem.tools.bench.phases import PhaseRow, conclusion, measure
 from tests.bench.conftest import API_KEY
 
 
-def test_openai_phases_on_the_default_model(bench_server, tmp_path, capsys):
-    assert main(["bench", "phases", "--base-url", bench_server.url, "--api-key", API_KEY,
+def test_openai_phases_on_the_default_model(real_server, tmp_path, capsys):
+    assert main(["bench", "phases", "--base-url", real_server.url, "--api-key", API_KEY,
                  "--input-lens", "16,320", "--output-len", "6", "--repetitions", "2",
                  "--seed", "5", "--save-result", "--result-dir", str(tmp_path),
                  "--result-filename", "p.json"]) == 0
@@ -35,8 +35,8 @@ def test_openai_phases_on_the_default_model(bench_server, tmp_path, capsys):
     assert data["conclusion"][0] in out
 
 
-def test_ollama_phases_read_the_counters(bench_server, recording_proxy, tmp_path):
-    proxy = recording_proxy(bench_server.url)
+def test_ollama_phases_read_the_counters(real_server, recording_proxy, tmp_path):
+    proxy = recording_proxy(real_server.url)
     assert main(["bench", "phases", "--base-url", proxy.url, "--api-key", API_KEY,
                  "--backend", "ollama", "--input-lens", "16,128", "--output-len", "4",
                  "--repetitions", "1", "--num-warmups", "0", "--seed", "2", "--save-result",

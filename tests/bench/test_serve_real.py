@@ -19,9 +19,9 @@ TOL_S = 0.06
 
 
 @pytest.fixture(scope="module")
-def openai_run(bench_server, recording_proxy_module, tmp_path_factory):
+def openai_run(real_server, recording_proxy_module, tmp_path_factory):
     """6 random prompts, 2 at a time, one warm-up; the detailed JSON and the proxy's log."""
-    proxy = recording_proxy_module(bench_server.url)
+    proxy = recording_proxy_module(real_server.url)
     out = tmp_path_factory.mktemp("serve")
     t0 = time.perf_counter()
     rc = main(["bench", "serve", "--base-url", proxy.url, "--api-key", API_KEY,
@@ -117,9 +117,9 @@ def test_json_keys_plots_html_and_server_metrics(openai_run):
     assert 1 <= s["peak_num_requests_running"] <= 2
 
 
-def test_ollama_backend_reads_the_phase_counters(bench_server, recording_proxy_module,
+def test_ollama_backend_reads_the_phase_counters(real_server, recording_proxy_module,
                                                  tmp_path):
-    proxy = recording_proxy_module(bench_server.url)
+    proxy = recording_proxy_module(real_server.url)
     assert main(["bench", "serve", "--base-url", proxy.url, "--api-key", API_KEY,
                  "--backend", "ollama", "--num-prompts", "2", "--random-input-len", "32",
                  "--output-len", "5", "--temperature", "0", "--seed", "4",

@@ -18,22 +18,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tandem.config import EngineConfig
-from tandem.engine.async_engine import AsyncEngine
 from tandem.entrypoints.server.app import ServerConfig
-from tests.server.conftest import RunningServer, slow_down, start_server, tiny_engine
+from tests.server.conftest import RunningServer, real_server, slow_down, start_server, tiny_engine
 from tests.serving import app_servers
 
-__all__ = ["start_server"]  # the session fixture, re-exported for this directory
+# the session fixtures (one real-model server for the whole suite), re-exported here
+__all__ = ["real_server", "start_server"]
 
 STEP_S = 0.02
-
-
-@pytest.fixture(scope="session")
-def default_model_server(start_server) -> RunningServer:
-    """The default model (SmolLM2-135M): text prompts, counted by the server's /tokenize."""
-    engine = AsyncEngine(EngineConfig(kv_cache_memory="256MiB", max_model_len=1024))
-    return start_server(engine, ServerConfig(served_model_names=["smollm2"]))
 
 
 @pytest.fixture(scope="session")

@@ -276,8 +276,9 @@ def test_healthy_tandem_server(healthy_server, capsys):
     assert r["verdict"].startswith(("Healthy", "No outright problem"))
 
 
-def test_default_model_text_prompts_and_the_ceiling(default_model_server, capsys):
-    r = doctor_json(default_model_server.url, capsys, "--long-len", "256", "--output-len", "12",
+def test_default_model_text_prompts_and_the_ceiling(real_server, capsys):
+    r = doctor_json(real_server.url, capsys, "--api-key", real_server.api_key,
+                    "--long-len", "256", "--output-len", "12",
                     "--model", "smollm2-135m", "--dtype", "fp32", "--bandwidth", "20")
     m = r["measurements"]
     assert m["kind"] == "tandem" and m["model"] == "smollm2" and m["max_model_len"] == 1024
