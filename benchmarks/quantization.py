@@ -5,7 +5,7 @@ For fp32, int8 and int4 weights (and fp32 weights with the int8 KV cache):
   model on a fixed text shipped here (benchmarks/data/eval_text.txt);
 * single-stream decode tok/s vs that variant's weight-bandwidth ceiling
   (bandwidth measured in this run; ceiling = bandwidth / weight bytes read per
-  step). Targets (issue 7): fp32 >= 90%, int8 >= 60% of its ceiling;
+  step). Targets: fp32 >= 90%, int8 >= 60% of its ceiling;
 * the int8 KV cache: tokens the same memory holds, and greedy agreement with
   the fp32 cache on a fixed prompt set (identical first N tokens, and the mean
   length of the identical prefix).
