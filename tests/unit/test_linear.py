@@ -130,3 +130,17 @@ def test_quantization_levels_use_llama_cpps_names():
     assert quantization_level(Int8Linear(w)) == "INT8"
     assert quantization_level(Int8Linear(quantize_int8_groups(w))) == "Q8_0"
     assert quantization_level(Int4Linear(w)) == "Q4_1"
+
+
+def test_weight_kind_numbers_match_the_cpp_step():
+    """Python's WeightKind and the C++ step's enum are one numbering."""
+    import re
+    from pathlib import Path
+
+    import tandem.kernels
+    from tandem.model.linear import WeightKind
+
+    header = (Path(tandem.kernels.__file__).parent / "csrc" / "step_matmul.h").read_text()
+    body = re.search(r"enum class WeightKind[^{]*\{([^}]*)\}", header).group(1)
+    cpp = {name.strip()[1:].upper(): int(v) for name, v in re.findall(r"(\w+)\s*=\s*(\d+)", body)}
+    assert cpp == {k.name: k.value for k in WeightKind}
