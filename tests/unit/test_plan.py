@@ -11,6 +11,7 @@ import os
 import pytest
 
 from tandem.model.llama import ModelConfig
+from tandem.tools.plan import arithmetic as ar
 from tandem.tools.plan import capacity as cap
 from tandem.tools.plan.cli import main, parse_bytes, register
 from tandem.tools.plan.devices import DEVICES, Device, GiB, host_memory, measure_read_bandwidth
@@ -30,8 +31,8 @@ def gpu(memory: float, bandwidth: float = 1000e9) -> Device:
 
 
 def test_kv_bytes_per_token_worked_examples() -> None:
-    assert cap.kv_bytes_per_token(32, 8, 128, 2) == 131_072
-    assert cap.kv_bytes_per_token(36, 8, 128, 2) == 147_456
+    assert ar.kv_bytes_per_token(32, 8, 128, 2) == 131_072
+    assert ar.kv_bytes_per_token(36, 8, 128, 2) == 147_456
     # ~1 GB per 8,000-token conversation at 32 layers; ~1.2 GB per 8,192 at 36.
     assert 131_072 * 8000 / 1e9 == pytest.approx(1.05, abs=0.01)
     assert 147_456 * 8192 / 1e9 == pytest.approx(1.2, abs=0.01)
@@ -53,14 +54,14 @@ def test_kv_from_presets_and_8bit() -> None:
 
 
 def test_decode_ceiling_worked_examples() -> None:
-    assert round(cap.decode_ceiling(DEVICES["h100-sxm"].bandwidth_bytes_s, 16e9)) == 209
-    assert round(cap.decode_ceiling(DEVICES["cpu-ddr5"].bandwidth_bytes_s, 16e9)) == 6
+    assert round(ar.decode_ceiling(DEVICES["h100-sxm"].bandwidth_bytes_s, 16e9)) == 209
+    assert round(ar.decode_ceiling(DEVICES["cpu-ddr5"].bandwidth_bytes_s, 16e9)) == 6
     # 8-bit weights halve the bytes and double the ceiling.
-    assert cap.decode_ceiling(3350e9, 8e9) == pytest.approx(2 * cap.decode_ceiling(3350e9, 16e9))
+    assert ar.decode_ceiling(3350e9, 8e9) == pytest.approx(2 * ar.decode_ceiling(3350e9, 16e9))
 
 
 def test_in_flight_seed() -> None:
-    assert cap.in_flight(20, 12, 90) == pytest.approx(2.67, abs=0.01)
+    assert ar.in_flight(20, 12, 90) == pytest.approx(2.67, abs=0.01)
 
 
 def test_24gb_card_leaves_6gb_five_conversations() -> None:
@@ -171,18 +172,18 @@ def test_gguf_truncated_is_a_clear_error(tmp_path) -> None:
 def test_weight_bytes_by_dtype() -> None:
     spec = load_model("llama-3.1-8b")
     n = spec.param_counts().total
-    assert cap.weight_bytes(spec, "fp32").total == 4 * n
-    assert cap.weight_bytes(spec, "bf16").total == 2 * n
+    assert ar.weight_bytes(spec, "fp32").total == 4 * n
+    assert ar.weight_bytes(spec, "bf16").total == 2 * n
     # int8: 1 B + fp32 scale per output channel; int4: 0.5 B + 4 B per group of 32.
-    assert cap.linear_bytes(4096, 1024, "int8") == 4096 * 1024 + 4 * 1024
-    assert cap.linear_bytes(4096, 1024, "int4") == 4096 * 1024 // 2 + 4 * (4096 // 32) * 1024
-    i8, i4 = cap.weight_bytes(spec, "int8"), cap.weight_bytes(spec, "int4")
+    assert ar.linear_bytes(4096, 1024, "int8") == 4096 * 1024 + 4 * 1024
+    assert ar.linear_bytes(4096, 1024, "int4") == 4096 * 1024 // 2 + 4 * (4096 // 32) * 1024
+    i8, i4 = ar.weight_bytes(spec, "int8"), ar.weight_bytes(spec, "int4")
     # Untied input embedding stays 16-bit and is not read per step.
     assert i8.embedding == i4.embedding == 2 * 128_256 * 4096
     assert i8.total - i8.read_per_token == i8.embedding
     assert 8.4e9 < i8.total < 8.7e9
     assert 5.5e9 < i4.total < 6.0e9
-    tied = cap.weight_bytes(load_model("smollm2-135m"), "int8")
+    tied = ar.weight_bytes(load_model("smollm2-135m"), "int8")
     assert tied.embedding == 0 and tied.total == tied.read_per_token
 
 
@@ -222,7 +223,7 @@ def test_scenario_20_agents() -> None:
 def test_scenario_cpu_vps_8gb() -> None:
     vps = Device("vps", "8 GB VPS", "cpu", int(8e9), 20e9)
     p = cap.plan(load_model("qwen2.5-1.5b"), vps, users=10)
-    assert p.reserve_bytes == cap.DEFAULT_CPU_RESERVE and p.gpu_memory_utilization == 1.0
+    assert p.reserve_bytes == ar.DEFAULT_CPU_RESERVE and p.gpu_memory_utilization == 1.0
     assert p.fits and p.max_num_seqs >= 2
     assert "--gpu-memory-utilization" not in " ".join(p.flags["tandem"])
     # On CPU tandem's pool is --kv-cache-memory bytes: the flag carries the planned cache.
@@ -250,7 +251,7 @@ def test_kv8_flags_and_compute_bound() -> None:
     assert "--kv-cache-dtype int8" in p.flags["tandem"]  # tandem's 8-bit cache, not fp8
     assert "--cache-type-k q8_0" in p.flags["llama_server"]
     assert p.flags["ollama"]["OLLAMA_KV_CACHE_TYPE"] == "q8_0"
-    _, bound = cap.decode_step(4096, 16e9, 0, 1, 3350e9, 16e9, 989e12)
+    _, bound = ar.decode_step(4096, 16e9, 0, 1, 3350e9, 16e9, 989e12)
     assert bound == "compute"
 
 

@@ -21,7 +21,7 @@ import httpx
 from tandem.tools.bench.target import default_api_key, parse_headers
 from tandem.tools.doctor.diagnose import Measurements, diagnose, format_report, verdict
 from tandem.tools.doctor.probe import DoctorError, ProbeConfig, collect
-from tandem.tools.plan.capacity import WEIGHT_DTYPES, weight_bytes
+from tandem.tools.plan.arithmetic import WEIGHT_DTYPES, weight_bytes
 from tandem.tools.plan.cli import PlanInputError, _one_line_errors, parse_bytes
 from tandem.tools.plan.devices import DEVICES, get_device
 from tandem.tools.plan.presets import PRESETS, load_model

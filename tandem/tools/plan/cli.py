@@ -16,7 +16,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from tandem.tools.plan.capacity import KV_DTYPES, WEIGHT_DTYPES, plan
+from tandem.tools.plan.arithmetic import KV_DTYPES, WEIGHT_DTYPES
+from tandem.tools.plan.capacity import plan
 from tandem.tools.plan.devices import DEVICES, Device, get_device, measure_host
 from tandem.tools.plan.presets import PRESETS, load_model
 from tandem.tools.plan.report import format_report

@@ -22,7 +22,8 @@ import textwrap
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tandem.tools.plan import capacity as cap
+from tandem.tools.plan import arithmetic as ar
+from tandem.tools.plan.capacity import plan
 from tandem.tools.plan.devices import Device, GiB, MiB
 from tandem.tools.plan.presets import PRESETS, ModelSpec, load_model
 
@@ -117,7 +118,7 @@ def engine_settings(dtype: str, kv_cache_dtype: str) -> tuple[str, str, str]:
     elif dtype in _ENGINE_DTYPES:
         engine_dtype, quant = _ENGINE_DTYPES[dtype], "none"
     else:
-        raise ValueError(f"--dtype {dtype!r}: choose from {', '.join(cap.WEIGHT_DTYPES)}")
+        raise ValueError(f"--dtype {dtype!r}: choose from {', '.join(ar.WEIGHT_DTYPES)}")
     kv = kv_cache_dtype.lower()
     if kv in ("int8", "8bit"):
         engine_kv = "int8"
@@ -138,8 +139,8 @@ def check_engine(
     kv_cache_dtype: str = "auto",
     kv_cache_memory: int | None = None,
     context: int | None = None,
-    gpu_memory_utilization: float = cap.DEFAULT_GPU_UTILIZATION,
-    block_size: int = cap.BLOCK_SIZE,
+    gpu_memory_utilization: float = ar.DEFAULT_GPU_UTILIZATION,
+    block_size: int = ar.BLOCK_SIZE,
     device: str = "auto",
 ) -> EngineCheck:
     """Start tandem's engine on ``ref`` and compare its pool with the plan's numbers."""
@@ -174,15 +175,15 @@ def compare(
     kvname = "int8" if c.kv_cache_dtype == "int8" else _PLANNER_DTYPES[
         str(engine.dtype).split(".")[-1]
     ]
-    elem = cap.kv_element_bytes(kvname, spec.head_dim)
-    kv_tok = cap.kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, elem)
-    w = cap.weight_bytes(spec, wdtype)
+    elem = ar.kv_element_bytes(kvname, spec.head_dim)
+    kv_tok = ar.kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, elem)
+    w = ar.weight_bytes(spec, wdtype)
     engine_tokens = engine.kv_manager.num_blocks * c.block_size
     notes: list[str] = []
     if engine.device.type == "cuda" and kv_cache_memory is None:
         total = torch.cuda.mem_get_info()[1]
         gpu = Device("cuda", torch.cuda.get_device_name(), "gpu", int(total), 1e12)
-        p = cap.plan(
+        p = plan(
             spec, gpu, dtype=wdtype, kv_cache_dtype=kvname, context=engine.max_model_len,
             gpu_memory_utilization=util, reserve_bytes=0, block_size=c.block_size,
             explore=False,
@@ -195,7 +196,7 @@ def compare(
         )
     else:
         budget = int(kv_cache_memory if kv_cache_memory is not None else DEFAULT_CPU_KV_BYTES)
-        planned_tokens = cap.cache_blocks(budget, kv_tok, c.block_size) * c.block_size
+        planned_tokens = ar.cache_blocks(budget, kv_tok, c.block_size) * c.block_size
         source = (
             "--kv-cache-memory" if kv_cache_memory is not None else "tandem's CPU default"
         ) + " (the engine's pool is exactly this many bytes)"
