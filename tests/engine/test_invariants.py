@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tandem.config import EngineConfig
+from tandem.core.request import RequestStatus
 from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling_params import SamplingParams
 
@@ -134,7 +135,7 @@ def test_abort_frees_blocks(tiny_config_path):
     engine.step()
     assert r.block_ids
     out = engine.abort_request(r.request_id)
-    assert out.finished and out.finish_reason == "abort"
+    assert out.status is RequestStatus.FINISHED_ABORTED and out.new_token_ids == []
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
     assert not engine.has_unfinished_requests()
 
