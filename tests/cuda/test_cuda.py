@@ -15,7 +15,7 @@ from tandem.model.linear import Int4Linear, Int8Linear
 from tandem.sampling_params import SamplingParams
 
 from ..engine.test_architectures import PROMPTS, hf_model
-from ..unit.test_gguf import _write_tiny_gguf
+from ..engine.test_gguf import _write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -12,8 +12,8 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.model.linear import DenseLinear, Int4Linear, Int8Linear
 from tandem.sampling_params import SamplingParams
 
-from ..unit.test_gguf import _write_tiny_gguf
 from .cpu_paths import CPU_PATHS, cpu_path
+from .test_gguf import _write_tiny_gguf
 
 PROMPTS = [[5, 17, 33, 2, 64, 9, 11], [40, 41, 42], list(range(3, 40))]
 
