@@ -27,6 +27,10 @@ class RequestMetrics:
     num_cached_tokens: int
     num_output_tokens: int
     num_preemptions: int
+    # Disaggregated prefill: moving the prompt's KV to the decode replica (export,
+    # object store, import); None when prefill and decode ran in one engine.
+    kv_transfer_s: float | None = None
+    kv_transfer_bytes: int = 0
 
     @property
     def ttft_s(self) -> float | None:

@@ -79,23 +79,26 @@ class Tokenizer:
         longest = max(len(t) for t in self.backend.get_vocab(with_added_tokens=True))
         return longest * (1 if self.backend.normalizer is None else 4)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template applied to ``messages``, as text."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The chat template applied to ``messages`` (and ``tools``, OpenAI's shape), as text."""
         if not self._hf.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         _check_messages(messages)
         try:
             return self._hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tools=tools, tokenize=False,
+                add_generation_prompt=add_generation_prompt,
             )
         except TemplateError as e:  # e.g. "roles must alternate user/assistant"
             raise ValueError(f"chat template rejected the messages: {e}") from e
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True
+        self, messages: list[dict], add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """Prompt token ids for a chat; the template writes its own special tokens (bos too)."""
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, tools)
         return self.encode(text, add_special_tokens=False)
 
 

@@ -45,6 +45,25 @@ def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
     return hash((parent_hash, tuple(token_ids)))
 
 
+def chain_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    num_blocks: int,
+    hash_fn: Callable[[int, Sequence[int]], int] = hash_block_tokens,
+    parent: int = NONE_HASH,
+    start: int = 0,
+) -> list[int]:
+    """The chained hashes of full blocks start..num_blocks-1, block start's parent
+    being ``parent``. Also what a router outside the engine computes to know which
+    replica's cache holds a prompt's first blocks: the hash of a tuple of ints is
+    the same in every process."""
+    out = []
+    for i in range(start, num_blocks):
+        parent = hash_fn(parent, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
 class KVCacheBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "parent_id")
 
@@ -102,13 +121,10 @@ class KVCacheManager:
     # ------------------------------------------------------------ prefix cache
     def _update_block_hashes(self, request: Request, upto_tokens: int) -> None:
         """Extend request.block_hashes over its full blocks within upto_tokens."""
-        bs = self.block_size
         hashes = request.block_hashes
-        tokens = request.token_ids
-        parent = hashes[-1] if hashes else NONE_HASH
-        for i in range(len(hashes), upto_tokens // bs):
-            parent = self.hash_fn(parent, tokens[i * bs : (i + 1) * bs])
-            hashes.append(parent)
+        hashes.extend(chain_block_hashes(
+            request.token_ids, self.block_size, upto_tokens // self.block_size, self.hash_fn,
+            hashes[-1] if hashes else NONE_HASH, len(hashes)))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of the request, as blocks and a token count.
@@ -120,11 +136,15 @@ class KVCacheManager:
             return [], 0
         limit = request.num_tokens - 1
         self._update_block_hashes(request, limit)
+        hits = self._match(request.block_hashes[: limit // self.block_size], request.token_ids)
+        return hits, len(hits) * self.block_size
+
+    def _match(self, hashes: Sequence[int], tokens: Sequence[int]) -> list[KVCacheBlock]:
+        """The cached blocks of the longest prefix of this hash chain, checked (see above)."""
         bs = self.block_size
-        tokens = request.token_ids
         hits: list[KVCacheBlock] = []
         parent_id = -1
-        for i, h in enumerate(request.block_hashes[: limit // bs]):
+        for i, h in enumerate(hashes):
             block = self.cached.get(h)
             if (
                 block is None
@@ -134,7 +154,41 @@ class KVCacheManager:
                 break
             hits.append(block)
             parent_id = block.block_id
-        return hits, len(hits) * bs
+        return hits
+
+    def cached_prefix(self, token_ids: Sequence[int]) -> list[KVCacheBlock]:
+        """The cached blocks of token_ids' longest cached full-block prefix."""
+        n = len(token_ids) // self.block_size
+        return self._match(chain_block_hashes(token_ids, self.block_size, n, self.hash_fn),
+                           token_ids)
+
+    def import_prefix(self, token_ids: Sequence[int]) -> tuple[list[KVCacheBlock], list[int]]:
+        """Hold the chain of token_ids' full blocks in the prefix cache, for KV computed
+        elsewhere (disaggregated prefill): blocks already cached are reused, the
+        rest are taken fresh and registered. Returns the held blocks (``release``
+        them once written) and the chain indices of the fresh ones, whose KV the
+        caller must write. Stops early when the pool has no free block or another
+        chain holds a hash; those tokens are then recomputed, as on a miss.
+        """
+        bs = self.block_size
+        hashes = chain_block_hashes(token_ids, bs, len(token_ids) // bs, self.hash_fn)
+        held = self._match(hashes, token_ids)
+        for b in held:
+            if b.ref_cnt == 0:
+                del self.free_blocks[b.block_id]
+            b.ref_cnt += 1
+        fresh: list[int] = []
+        for i in range(len(held), len(hashes)):
+            if hashes[i] in self.cached or not self.free_blocks:
+                break
+            block = self._take_free()
+            block.block_hash = hashes[i]
+            block.token_ids = tuple(token_ids[i * bs : (i + 1) * bs])
+            block.parent_id = held[-1].block_id if held else -1
+            self.cached[hashes[i]] = block
+            held.append(block)
+            fresh.append(i)
+        return held, fresh
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's blocks that are full within num_tokens."""
@@ -208,12 +262,16 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (the tail is evicted first)."""
-        for block_id in reversed(request.block_ids):
+        self.release(request.block_ids)
+        request.block_ids = []
+        request.num_cached_blocks = 0
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference to each block, tail first; a block no one holds is free."""
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_blocks[block_id] = block
                 if block.block_hash is None:
                     self.free_blocks.move_to_end(block_id, last=False)
-        request.block_ids = []
-        request.num_cached_blocks = 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tandem.sampling_params import SamplingParams
 
@@ -108,6 +108,9 @@ class Request:
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
         self.num_cached_tokens = -1  # prefix-cache hit on first admission; -1 = not yet
         self.num_preemptions = 0
+        # The grammar state of a constrained request (worker/structured_output.py's
+        # StructuredOutputRequest, opaque here): it has consumed exactly output_token_ids.
+        self.structured_output_request: Any = None
         self.times = RequestTimes() if arrival_time is None else RequestTimes(arrival=arrival_time)
 
     @property

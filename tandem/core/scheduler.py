@@ -63,6 +63,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Cumulative, for a live view of step composition (two adds per step).
+        self.num_scheduled_tokens = 0
+        self.num_prefill_tokens = 0
 
     @property
     def num_waiting(self) -> int:
@@ -86,6 +89,7 @@ class Scheduler:
         if cap is not None and any(r.num_tokens - r.num_computed_tokens == 1
                                    for r in self.running):
             prefill = min(cap, budget)
+        budget_start, prefill_start = budget, prefill
         kv = self.kv
 
         # 1. Running requests first, oldest first.
@@ -143,6 +147,8 @@ class Scheduler:
             out.num_scheduled_tokens.append(n)
             budget -= n
             prefill -= n
+        self.num_scheduled_tokens += budget_start - budget
+        self.num_prefill_tokens += prefill_start - prefill
         return out
 
     def _preempt(self, req: Request) -> None:

@@ -18,11 +18,12 @@ cancelled), the generator's ``finally`` aborts the request and frees its blocks.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -53,8 +54,8 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._new: list[Request] = []
         self._aborts: list[tuple[str, RequestStatus]] = []
-        # Callers of request_states, answered by the engine thread between two steps.
-        self._state_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        # Functions of the engine to run on its thread between two steps (see call).
+        self._calls: list[tuple[Callable[[LLMEngine], Any], concurrent.futures.Future]] = []
         # request id -> (event loop, queue) of the awaiting caller
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
@@ -87,15 +88,23 @@ class AsyncEngine:
     # ------------------------------------------------------------ caller side
     async def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | Request,
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield this request's outputs as steps produce them; the last has finished=True.
 
-        Raises ValueError at once for bad input (before anything is queued).
+        Raises ValueError at once for bad input (before anything is queued). A
+        ``Request`` already made by ``engine.make_request`` is taken as it is.
         """
-        req = self.engine.make_request(prompt, params, request_id)
+        if isinstance(prompt, Request):
+            req = prompt
+        elif params is not None and params.structured_outputs is not None:
+            # Compiling a grammar can take a while (~1 s for a huge one): off the loop.
+            req = await asyncio.get_running_loop().run_in_executor(
+                None, self.engine.make_request, prompt, params, request_id)
+        else:
+            req = self.engine.make_request(prompt, params, request_id)
         rid = req.request_id
         queue: asyncio.Queue = asyncio.Queue()
         with self._cond:
@@ -154,16 +163,25 @@ class AsyncEngine:
         )
 
     async def request_states(self) -> list[RequestState]:
-        """Taken by the engine thread between two steps, and only when asked: a
-        live view's once a second costs the step loop nothing in between."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
+        """Taken on the engine thread between two steps (``call``), and only when
+        asked: a live view's once a second costs the step loop nothing in between."""
+        try:
+            return await self.call(lambda engine: [
+                RequestState.of(r, time.monotonic()) for r in engine.requests.values()])
+        except EngineDeadError:
+            return []
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """fn(engine) on the engine thread between two steps, its result or exception
+        back here: what must touch the KV pool outside a step (the KV export and
+        import of disaggregated prefill)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self.dead:
-                return []
-            self._state_waiters.append((loop, future))
+                raise EngineDeadError("the engine is shut down")
+            self._calls.append((fn, future))
             self._cond.notify()
-        return await future
+        return await asyncio.wrap_future(future)
 
     @property
     def num_threads(self) -> int | None:
@@ -227,23 +245,25 @@ class AsyncEngine:
         step = self.tuner.step if self.tuner is not None else (lambda run: run())
         while True:
             with self._cond:
-                while not (self._stopped or self._new or self._aborts or self._state_waiters
+                while not (self._stopped or self._new or self._aborts or self._calls
                            or engine.has_unfinished_requests()):
                     self._cond.wait()
                 if self._stopped:
                     break
                 new, self._new = self._new, []
                 aborts, self._aborts = self._aborts, []
-                waiters, self._state_waiters = self._state_waiters, []
+                calls, self._calls = self._calls, []
+            for fn, future in calls:
+                try:
+                    future.set_result(fn(engine))
+                except Exception as e:  # the caller's to handle
+                    future.set_exception(e)
             for req in new:
                 engine.add_request(req)
             for rid, status in aborts:
                 engine.abort_request(rid, status)
                 with self._cond:
                     self._streams.pop(rid, None)
-            if waiters:
-                _answer(waiters, [RequestState.of(r, time.monotonic())
-                                  for r in engine.requests.values()])
             try:
                 outputs = step(engine.step_core)
             except Exception as e:  # fail what is in flight, keep serving new requests
@@ -257,16 +277,6 @@ class AsyncEngine:
             engine.abort_request(rid)
             self._deliver(rid, EngineDeadError("the engine is shut down"), True)
         with self._cond:
-            _answer(self._state_waiters, [])
+            for _, future in self._calls:
+                future.set_exception(EngineDeadError("the engine is shut down"))
 
-
-def _answer(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]],
-            states: list[RequestState]) -> None:
-    """Resolve each caller's future on its own loop (one that gave up is skipped)."""
-    def settle(future: asyncio.Future) -> None:
-        if not future.done():
-            future.set_result(states)
-
-    for loop, future in waiters:
-        with contextlib.suppress(RuntimeError):  # the caller's loop is closed
-            loop.call_soon_threadsafe(settle, future)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from tandem.core.request import Request, RequestStatus
 from tandem.model.gguf import default_model_path
 from tandem.model.linear import quantization_level
 from tandem.outputs import RequestOutput
@@ -80,6 +81,43 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     num_threads: int | None  # CPU threads a step runs on (None on a GPU)
+    num_kv_blocks: int  # the pool's size; kv_cache_usage is the share held by requests
+    num_steps: int  # steps that ran the model
+    scheduled_tokens_total: int  # tokens computed over all steps (prompt chunks + decodes)
+    prefill_tokens_total: int  # of those, prompt tokens (recomputes after preemption too)
+
+
+@dataclass(frozen=True)
+class RequestState:
+    """One request in the engine for a live view: its counts and ages, never its text."""
+
+    request_id: str
+    state: str  # "queued" | "preempted" (waiting again) | "prefill" | "decode"
+    num_prompt_tokens: int
+    num_computed_tokens: int  # of prompt + output, with KV in the cache (prefill progress)
+    num_cached_tokens: int  # prompt tokens found in the prefix cache (0 until admitted)
+    num_output_tokens: int
+    num_preemptions: int
+    age_s: float  # since arrival
+    output_tokens_per_s: float | None  # since the first token (None before the second)
+
+    @classmethod
+    def of(cls, req: Request, now: float) -> RequestState:
+        if req.status == RequestStatus.WAITING:
+            state = "queued"
+        elif req.status == RequestStatus.PREEMPTED:
+            state = "preempted"
+        else:  # running: one token left to compute is a decode
+            state = "decode" if req.num_tokens - req.num_computed_tokens <= 1 else "prefill"
+        t = req.times
+        n_out = req.num_output_tokens
+        rate = None
+        if n_out > 1 and t.first_token is not None and t.last_token is not None \
+                and t.last_token > t.first_token:
+            rate = (n_out - 1) / (t.last_token - t.first_token)
+        return cls(req.request_id, state, req.num_prompt_tokens, req.num_computed_tokens,
+                   max(req.num_cached_tokens, 0), n_out, req.num_preemptions,
+                   now - t.arrival, rate)
 
 
 class EngineClient(Protocol):
@@ -95,8 +133,22 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    async def request_states(self) -> list[RequestState]:
+        """Every request the engine holds, as of one moment between two steps."""
+        ...
+
     @property
     def dead(self) -> bool: ...
+
+
+@runtime_checkable
+class ReplicaSet(Protocol):
+    """An engine client over several engines (tandem.distributed): /metrics gives
+    each its own samples, and ``stats()`` is their sum."""
+
+    def replica_stats(self) -> dict[str, EngineStats | None]:
+        """Each replica's last snapshot by name, in a fixed order (None: not yet seen)."""
+        ...
 
 
 def parameter_count(cfg: ModelConfig) -> int:

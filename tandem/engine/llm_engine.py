@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +30,7 @@ from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.tokenizer import Tokenizer
 from tandem.worker.model_runner import ModelRunner, allocate_kv_caches
+from tandem.worker.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,12 @@ class LLMEngine:
         self.eos_token_ids = frozenset(t for t in ends if t is not None)
         self.load_duration_s = time.monotonic() - t0
         self._init_kv_cache()
+        # Grammars for structured outputs (llguidance, imported on first use).
+        self.structured_output: StructuredOutputManager | None = None
+        if self.tokenizer is not None:
+            self.structured_output = StructuredOutputManager(
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+            self.runner.structured_output = self.structured_output
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
         # Engine-level counters for the metrics endpoint.
@@ -302,8 +310,15 @@ class LLMEngine:
         elif params.stop:
             raise ValueError("stop strings need a tokenizer")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        return Request(rid, ids, params, max_tokens, generator, detok,
-                       arrival_time)
+        grammar = None
+        if params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise ValueError("structured_outputs need the model's tokenizer (the engine "
+                                 "was started with skip_tokenizer_init)")
+            grammar = self.structured_output.new_request(params.structured_outputs)
+        req = Request(rid, ids, params, max_tokens, generator, detok, arrival_time)
+        req.structured_output_request = grammar
+        return req
 
     def add_request(
         self,
@@ -339,6 +354,52 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ------------------------------------------- KV hand-off (disaggregated prefill)
+    def export_kv(self, token_ids: Sequence[int]) -> KVBlocks:
+        """The KV of token_ids' longest cached full-block prefix, copied out of the
+        pool: a prefill engine's hand-off once the request finished (its blocks
+        stay cached until evicted). Engine thread only (AsyncEngine.call)."""
+        blocks = self.kv_manager.cached_prefix(token_ids)
+        n = len(blocks) * self.config.block_size
+        slots = self._slots([b.block_id for b in blocks])
+        tensors = []
+        for part in zip(*(_cache_tensors(c) for c in self.kv_caches)):  # K/V (, scales)
+            out = torch.empty((len(part), n, *part[0].shape[1:]), dtype=part[0].dtype)
+            for layer, t in enumerate(part):
+                if t.device == out.device:  # one copy, straight into the export
+                    torch.index_select(t, 0, slots, out=out[layer])
+                else:
+                    out[layer] = t.index_select(0, slots)
+            tensors.append(out)
+        return KVBlocks(list(token_ids[:n]), self.config.block_size, tensors)
+
+    def import_kv(self, kv: KVBlocks) -> int:
+        """Write another engine's exported KV into this pool as prefix-cache blocks
+        (free and cached, as a finished request leaves them), so a request with
+        that prompt is admitted as a hit. Returns the tokens now cached. Engine
+        thread only (AsyncEngine.call)."""
+        bs = self.config.block_size
+        mine = [t for c in self.kv_caches[:1] for t in _cache_tensors(c)]
+        if kv.block_size != bs or len(kv.tensors) != len(mine) or any(
+                src.shape[0] != len(self.kv_caches) or src.shape[2:] != t.shape[1:]
+                or src.dtype != t.dtype for src, t in zip(kv.tensors, mine)):
+            raise ValueError("the exported KV blocks do not fit this engine's cache "
+                             "(another model, block size or KV dtype)")
+        held, fresh = self.kv_manager.import_prefix(kv.token_ids)
+        if fresh:
+            slots = self._slots([held[i].block_id for i in fresh])
+            rows = self._slots(fresh).to(torch.device("cpu"))
+            for layer, cache in enumerate(self.kv_caches):
+                for t, src in zip(_cache_tensors(cache), kv.tensors):
+                    t.index_copy_(0, slots, src[layer].index_select(0, rows).to(t.device))
+        self.kv_manager.release([b.block_id for b in held])
+        return len(held) * bs
+
+    def _slots(self, block_ids: Sequence[int]) -> torch.Tensor:
+        bs = self.config.block_size
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        return (ids[:, None] * bs + torch.arange(bs, device=self.device)).reshape(-1)
+
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """One step, its outputs with text (offline use: LLM, the CLI)."""
@@ -369,6 +430,11 @@ class LLMEngine:
         logprobs = result.logprobs or [None] * len(result.requests)
         for req, tok, lp in zip(result.requests, result.sampled_token_ids, logprobs):
             outputs.append(self._append_token(req, tok, lp, now))
+            grammar = req.structured_output_request
+            if grammar is not None and grammar.terminated and not req.status.finished:
+                # The grammar is complete after a text token: the request ends here,
+                # that token's text kept (as a stop string found later ends one).
+                outputs.append(self.abort_request(req.request_id, RequestStatus.FINISHED_STOPPED))
         self.num_generation_tokens_total += len(result.requests)
         return outputs
 
@@ -386,12 +452,16 @@ class LLMEngine:
         p = req.sampling_params
         n_out = req.num_output_tokens
         status = stop_id = None
+        grammar = req.structured_output_request
+        complete = grammar is not None and grammar.accept(tok)  # nothing may follow
         if n_out >= p.min_tokens:
             if tok in self.eos_token_ids and not p.ignore_eos:
                 status = RequestStatus.FINISHED_STOPPED
             elif tok in p.stop_token_ids:
                 status, stop_id = RequestStatus.FINISHED_STOPPED, tok
-        if status is None and n_out >= req.max_tokens:
+        if complete and status is None and tok in self.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED  # the grammar ended, min_tokens or not
+        if status is None and n_out >= req.max_tokens and not complete:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             self._finish(req, status)
@@ -403,3 +473,23 @@ class LLMEngine:
         """The request leaves the scheduler, its blocks and its block-table row."""
         self.scheduler.finish_request(req, status)
         self.runner.block_table.release(req.request_id)
+
+
+@dataclass
+class KVBlocks:
+    """KV exported by one engine for another: the first ``len(token_ids)`` tokens
+    (whole blocks) of a prompt, one tensor per cache part (K/V, plus scales for
+    an int8 cache) shaped [layers, tokens, ...]."""
+
+    token_ids: list[int]
+    block_size: int
+    tensors: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+def _cache_tensors(cache) -> list[torch.Tensor]:
+    """One layer's cache tensors indexed by slot in dim 0 (data; or int8 values, scales)."""
+    return [t for t in cache.kernel_args if t is not None]

@@ -8,6 +8,7 @@ import logging
 import sys
 
 from tandem.config import EngineConfig, cli_fields, flag_names
+from tandem.distributed.config import add_scale_out_args, spec_from_args
 from tandem.entrypoints.server.args import add_server_args
 
 # The tools (tandem[tools] extra: httpx, matplotlib) register their own sub-commands.
@@ -17,6 +18,7 @@ TOOLS = {
     "plan": ("tandem.tools.plan.cli", "capacity plan: memory, KV cache, concurrency, settings"),
     "doctor": ("tandem.tools.doctor.cli", "diagnose a running server: which phase is slow"),
     "bench": ("tandem.tools.bench.cli", "benchmark a running server: load, phases, compare"),
+    "top": ("tandem.tools.top", "watch a running server's dashboard in the terminal"),
 }
 
 ENGINE_HELP = """\
@@ -131,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=ENGINE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_server_args(p)
     add_engine_args(p)
+    add_scale_out_args(p)
     for name, helptext in (
         ("generate", "complete a raw prompt, streaming the text"),
         ("chat", "one-shot chat: the prompt as a user message, with the chat template"),
@@ -174,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
 
             config = engine_config_from_args(a)
             config.skip_tokenizer_init = a.skip_tokenizer_init
+            spec = spec_from_args(a)
+            if spec is not None:  # Ray is imported only here
+                from tandem.distributed.client import RayEngineClient
+
+                return serve(a, lambda: RayEngineClient(config, spec))
             return serve(a, lambda: AsyncEngine(config))
         if a.command == "generate":
             return cmd_generate(a, chat=False)

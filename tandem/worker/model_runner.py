@@ -20,6 +20,7 @@ from tandem.model.llama import LlamaModel
 from tandem.worker.block_table import BlockTable
 from tandem.worker.decode_step import DecodeStep
 from tandem.worker.sampler import Sampler, SamplingMetadata
+from tandem.worker.structured_output import StructuredOutputManager
 
 
 @dataclass
@@ -62,6 +63,8 @@ class ModelRunner:
         self.vocab_size = model.cfg.vocab_size
         self.sampler = Sampler()
         self.decode_step = DecodeStep.build(model, kv_caches, block_size)
+        # Set by the engine when it has a tokenizer (grammars need its vocabulary).
+        self.structured_output: StructuredOutputManager | None = None
 
     def _slots(self, row: int, start: int, n: int) -> torch.Tensor:
         """Cache slots of positions [start, start + n) of the sequence in ``row``."""
@@ -165,6 +168,13 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=self.device,
         )
+        # Constrained rows' token masks: after the forward is issued, so on a GPU
+        # the fill overlaps its kernels.
+        masks = None if self.structured_output is None else self.structured_output.masks(
+            sample_reqs)
+        if masks is not None:
+            rows, banned = masks
+            smeta.grammar_mask = (rows.to(self.device), banned.to(self.device))
         if argmax is not None and smeta.argmax_only:
             return ModelRunnerOutput(sample_reqs, argmax.tolist())  # the step's one host sync
         so = self.sampler(logits, smeta)

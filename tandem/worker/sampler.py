@@ -23,7 +23,7 @@ Exp(1) noise ~21 ns per element (16 ms for the full [16, 49k] tensor) and even
   rank), so the same seed gives the same tokens whatever else is in the batch
   and whichever path (prefilter or fallback) the row takes.
 
-Order (vLLM's): min_tokens masking, repetition/frequency/presence penalties,
+Order (vLLM's): min_tokens and grammar masking, repetition/frequency/presence penalties,
 then argmax for greedy rows, or temperature -> top-k -> top-p -> min-p -> race.
 Logprobs are log_softmax of the raw model logits, before any of that (vLLM V1's
 default "raw_logprobs").
@@ -100,13 +100,16 @@ class SamplingMetadata:
     # Logprobs: K = the largest requested count; rows that asked (None: all).
     max_num_logprobs: int | None = None
     logprob_rows: torch.Tensor | None = None
+    # Structured outputs: (constrained rows, banned [rows, V] uint8, 1 = banned)
+    # from the grammar; None when no row is constrained (then it costs nothing).
+    grammar_mask: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def argmax_only(self) -> bool:
         """Sampling is the argmax of the raw logits: all greedy, nothing to
         mask, penalize or report."""
         return (self.all_greedy and self.no_penalties and self.min_tokens_mask is None
-                and self.max_num_logprobs is None)
+                and self.max_num_logprobs is None and self.grammar_mask is None)
 
     @classmethod
     def build(
@@ -304,13 +307,21 @@ class Sampler(torch.nn.Module):
 
     @staticmethod
     def _process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """min_tokens mask, then penalties; copies the logits only when either applies."""
+        """min_tokens and grammar masks, then penalties; copies the logits only
+        when one applies."""
         logits = logits.float()
-        if meta.min_tokens_mask is None and meta.no_penalties:
+        if meta.min_tokens_mask is None and meta.no_penalties and meta.grammar_mask is None:
             return logits
         logits = logits.clone()
         if meta.min_tokens_mask is not None:
             logits[meta.min_tokens_mask] = -math.inf
+        if meta.grammar_mask is not None:
+            # A 0 / -inf bias (0 * -inf is nan, turned to 0) added to the rows:
+            # 0.15 ms for [16, 49k] here, where masked_fill_ with a bool mask
+            # took 1.4 ms.
+            rows, banned = meta.grammar_mask
+            bias = banned.float().mul_(-math.inf).nan_to_num_(nan=0.0, neginf=-math.inf)
+            logits.index_add_(0, rows, bias)
         if meta.repetition_pairs is not None:
             # vLLM: divide positive logits, multiply negative ones (prompt + output).
             rp = meta.repetition_values

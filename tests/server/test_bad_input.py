@@ -19,8 +19,8 @@ from tests.server.conftest import tiny_engine
 CHAT = [{"role": "user", "content": "hi"}]
 DEEP = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 LONE = "a\ud800b"  # a lone surrogate: valid JSON ("\\ud800"), not valid Unicode
-POST_ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
-               "/api/generate", "/api/chat", "/api/show"]
+POST_ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
+               "/detokenize", "/api/generate", "/api/chat", "/api/show"]
 OLLAMA = {"model": "smollm2", "prompt": "hi", "stream": False}
 
 CASES = [
@@ -94,8 +94,35 @@ CASES = [
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 50}, 400,
      "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tool"),
-    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}},
-     400, "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}},
+     400, "response_format.type"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     400, "response_format.json_schema.schema cannot be compiled"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "(a"}}, 400,
+     "structured_outputs.regex cannot be compiled"),
+    ("/v1/chat/completions", {"messages": CHAT, "structured_outputs": {"choice": "yes"}}, 400,
+     "structured_outputs.choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {
+        "name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
+     "tool_choice names the function 'g'"),
+    ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, 400,
+     "functions"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]}, 400,
+     "messages[0].tool_calls[0].function.arguments must be a JSON object"),
+    ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, 400,
+     "previous_response_id is not supported"),
+    ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "c"}]}, 400,
+     "input[0]: invalid request: output"),
+    ("/v1/responses", {"input": "hi", "tool_choice": "required"}, 400, "tool_choice needs"),
+    ("/v1/responses", {"input": LONE}, 400, "input contains a lone"),
+    ("/api/chat", {"model": "smollm2", "messages": CHAT, "format": {"type": "nope"}}, 400,
+     "format cannot be compiled"),
+    ("/api/chat", {"model": "smollm2", "messages": CHAT, "tools": [{"type": "function"}]},
+     400, "tools.0.function"),
+    ("/api/chat", {"model": "smollm2", "messages": [{"role": "assistant", "tool_calls": [
+        {"function": {"name": "f", "arguments": "x"}}]}]}, 400, "arguments"),
     ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"1": 5}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": ""}, 400, "empty"),
     ("/v1/completions", {"prompt": []}, 400, "empty"),
@@ -108,7 +135,7 @@ CASES = [
      400, "num_predict"),
     ("/api/generate", {"model": "smollm2", "prompt": "hi", "options": {"num_predict": 0}},
      400, "num_predict"),
-    ("/api/generate", {"model": "smollm2", "prompt": "hi", "format": "json"}, 400, "format"),
+    ("/api/generate", {"model": "smollm2", "prompt": "hi", "format": "yaml"}, 400, "format"),
     ("/api/chat", {"model": "smollm2", "messages": "hi"}, 400, "messages"),
     ("/api/chat", {"messages": CHAT}, 400, "model is required"),
     ("/api/chat", b"{", 400, "not valid JSON"),

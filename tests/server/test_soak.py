@@ -40,6 +40,9 @@ WORKERS = 10
 MODEL = "smollm2"
 GREEDY = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}],
           "max_tokens": 24, "temperature": 0}
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string", "maxLength": 12}},
+    "required": ["q"], "additionalProperties": False}}}
 WORDS = "the a sea of words streams tokens queue server cat runs fast é 東京 🙂 \n".split(" ")
 
 
@@ -83,7 +86,8 @@ def _request(rng: random.Random) -> tuple[str, str, dict]:
     """(kind, path, body): a valid request of random API, length and streaming."""
     stream = rng.random() < 0.5
     limit = rng.randint(1, 48)
-    kind = rng.choice(["completion", "completion_ids", "chat", "generate", "ollama_chat"])
+    kind = rng.choice(["completion", "completion_ids", "chat", "generate", "ollama_chat",
+                       "chat_tools", "chat_json", "responses"])
     messages = [{"role": "user", "content": _text(rng, 1, 60)}]
     if rng.random() < 0.3:
         messages = [{"role": "system", "content": _text(rng, 1, 20)}, *messages,
@@ -97,10 +101,21 @@ def _request(rng: random.Random) -> tuple[str, str, dict]:
         prompt = [rng.randrange(3, 49152) for _ in range(rng.randint(1, 200))]
         return kind, "/v1/completions", {"prompt": prompt, "max_tokens": limit, "n":
                                          rng.choice([1, 1, 2]), "stream": stream, "seed": 1}
-    if kind == "chat":
+    if kind in ("chat", "chat_tools", "chat_json"):
         body = {"model": MODEL, "messages": messages, "stream": stream}
+        if kind == "chat_tools":  # a grammar-forced call, or the parser on free text
+            body.update(tools=[TOOL], tool_choice=rng.choice(["required", "auto"]))
+        elif kind == "chat_json":
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "t", "schema": TOOL["function"]["parameters"]}}
         return kind, "/v1/chat/completions", body if open_ended else {**body,
                                                                        "max_tokens": limit}
+    if kind == "responses":
+        body = {"model": MODEL, "input": messages, "stream": stream}
+        if rng.random() < 0.5:
+            body.update(tools=[{"type": "function", **TOOL["function"]}], tool_choice="required")
+        return kind, "/v1/responses", body if open_ended else {**body,
+                                                               "max_output_tokens": limit}
     options = {} if open_ended else {"num_predict": limit}
     if kind == "generate":
         return kind, "/api/generate", {"model": MODEL, "prompt": _text(rng, 1, 80),
@@ -116,8 +131,9 @@ async def _complete(client: httpx.AsyncClient, tally: Tally, kind: str, path: st
         r = await client.post(path, json=body)
         if tally.check(kind, r):
             out = r.json()
-            done = out.get("done_reason") or out["choices"][0]["finish_reason"]
-            if done not in ("stop", "length"):
+            done = out.get("done_reason") or out.get("status") or \
+                out["choices"][0]["finish_reason"]
+            if done not in ("stop", "length", "tool_calls", "completed", "incomplete"):
                 tally.failures.append(f"{kind}: finished with {done!r}")
         return
     async with client.stream("POST", path, json=body) as r:
@@ -128,8 +144,12 @@ async def _complete(client: httpx.AsyncClient, tally: Tally, kind: str, path: st
         async for line in r.aiter_lines():
             if line.strip():
                 last = line
-        ended = last == "data: [DONE]" if path.startswith("/v1") else \
-            json.loads(last).get("done") is True
+        if path == "/v1/responses":
+            ended = json.loads(last.removeprefix("data: "))["type"] in (
+                "response.completed", "response.incomplete")
+        else:
+            ended = last == "data: [DONE]" if path.startswith("/v1") else \
+                json.loads(last).get("done") is True
         if not ended:
             tally.failures.append(f"{kind} stream ended with {last[:200]!r}")
 
@@ -221,8 +241,8 @@ def test_soak(soak_server):
     after = httpx.post(f"{s.url}/v1/chat/completions", json=GREEDY, timeout=60).json()
     assert after["choices"][0]["message"] == before["choices"][0]["message"]
     kinds = {k for k, _ in tally.statuses}
-    assert {"completion", "chat", "generate", "ollama_chat", "leave_mid_stream", "burst",
-            "bad_input"} <= kinds, tally.statuses
+    assert {"completion", "chat", "generate", "ollama_chat", "chat_tools", "chat_json",
+            "responses", "leave_mid_stream", "burst", "bad_input"} <= kinds, tally.statuses
     assert tally.statuses[("bad_input", 400)] >= 40
     assert tally.statuses[("burst", 503)] > 0  # the bursts did overflow the queue
     print(f"soak: {elapsed:.0f} s, {sum(tally.statuses.values())} requests:",

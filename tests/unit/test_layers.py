@@ -22,10 +22,13 @@ FORBIDDEN = {
     "kernels": ("tandem.core", "tandem.worker", "tandem.engine", "tandem.entrypoints",
                 "tandem.tools"),
     "worker": ("tandem.engine", "tandem.entrypoints", "tandem.tools"),
-    "engine": ("tandem.entrypoints", "tandem.tools"),
+    "engine": ("tandem.entrypoints", "tandem.tools", "tandem.distributed"),
+    # Replicas on Ray: engines in other processes, behind the same client contract.
+    "distributed": ("tandem.entrypoints", "tandem.tools"),
     # The server: the engine through the client contract only; of the model layer
     # only the torch-free GGUF header reader (the model's sampling defaults).
-    "entrypoints/server": ("tandem.core", "tandem.worker", "tandem.kernels", "tandem.tools"),
+    "entrypoints/server": ("tandem.core", "tandem.worker", "tandem.kernels", "tandem.tools",
+                           "tandem.distributed"),
 }
 ALLOWED = {"entrypoints/server": {"tandem.engine.client", "tandem.model.gguf_meta"}}
 
@@ -70,4 +73,5 @@ def test_core_runs_without_torch():
 def test_folders_walked_here_are_every_layer():
     """A new top-level package gets a rule, not a pass."""
     packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
-    assert packages == {"core", "worker", "model", "kernels", "engine", "entrypoints", "tools"}
+    assert packages == {"core", "worker", "model", "kernels", "engine", "entrypoints", "tools",
+                        "distributed"}

@@ -13,7 +13,7 @@ import logging
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem import __version__
 from tandem.engine.client import EngineClient
-from tandem.entrypoints.server import defaults, ollama, openai
+from tandem.entrypoints.server import dashboard, defaults, ollama, openai, responses
 from tandem.entrypoints.server.admission import Admission
+from tandem.entrypoints.server.dashboard import DashboardConfig
 from tandem.entrypoints.server.errors import APIError
 from tandem.entrypoints.server.metrics import ServerMetrics
 from tandem.entrypoints.server.model_card import ModelCard
@@ -62,6 +63,7 @@ class ServerConfig:
     stats_interval_s: float = 10.0
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | None = None
+    dashboard: DashboardConfig = field(default_factory=DashboardConfig)
 
 
 def build_app(engine: EngineClient | Loader, config: ServerConfig | None = None) -> FastAPI:
@@ -100,8 +102,10 @@ def build_app(engine: EngineClient | Loader, config: ServerConfig | None = None)
     app.add_middleware(_UntilReady, app_state=app.state)
     app.add_middleware(_NoUnhandledErrors)
     app.include_router(openai.router)
+    app.include_router(responses.router)
     app.include_router(ollama.public)
     app.include_router(ollama.router)
+    dashboard.install(app, config.dashboard)
 
     @app.get("/health")
     async def health() -> Response:
@@ -277,6 +281,7 @@ def serve(args, load: Loader) -> int:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.stats_interval <= 0:
         raise ValueError(f"--stats-interval must be positive, got {args.stats_interval}")
+    dashboard_config = dashboard.config_from_args(args)
     generation_config = defaults.check_mode(args.generation_config)
     override = defaults.parse_override(args.override_generation_config)
 
@@ -289,6 +294,7 @@ def serve(args, load: Loader) -> int:
         served_model_names=args.served_model_name, api_key=args.api_key,
         max_queue=args.max_queue, stats_interval_s=args.stats_interval,
         generation_config=generation_config, override_generation_config=override,
+        dashboard=dashboard_config,
     ), host=args.host, port=args.port, access_log=args.access_log)
 
 

@@ -22,6 +22,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "reply's time of waiting)")
     g.add_argument("--stats-interval", type=float, default=10.0,
                    help="seconds between stats log lines (default 10)")
+    g.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="time-to-first-token target: a line on /dashboard's latency chart, "
+                        "and the doctor's verdict there judges TTFT by it (default 1000)")
+    g.add_argument("--slo-itl-ms", type=float, default=None,
+                   help="inter-token latency target, as --slo-ttft-ms (default 100: "
+                        "10 tok/s, reading speed)")
+    g.add_argument("--dashboard-max-viewers", type=int, default=8,
+                   help="/dashboard feeds open at once; more get 429 (default 8; 0: off)")
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: token-id prompts only (e.g. --load-format dummy "
                         "with a bare config.json)")

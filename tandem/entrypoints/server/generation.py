@@ -20,13 +20,20 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from tandem.engine.client import EngineDeadError
+from starlette.requests import Request
+
+from tandem.engine.client import EngineDeadError, ReplicaSet
 from tandem.entrypoints.server.errors import APIError
 from tandem.entrypoints.server.state import ServerState
+from tandem.entrypoints.server.streaming import unless_disconnected
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.entrypoints.server.structured import Constraint
 
 logger = logging.getLogger("tandem.entrypoints.server")
 
@@ -122,6 +129,7 @@ class Choice:
     num_tokens: int = 0
     final: RequestOutput | None = None
     released: bool = False
+    accepted: asyncio.Event = field(default_factory=asyncio.Event)  # first output, or error
 
 
 class Generation:
@@ -152,7 +160,10 @@ class Generation:
         The engine validates a request when its stream is first iterated, which
         happens in the pump task's first step: one ``sleep(0)`` lets every pump
         run up to its first wait, so a ValueError is known before any response
-        byte is sent (streaming or not).
+        byte is sent (streaming or not). A structured-output request's grammar is
+        compiled off the event loop, and replicas (ReplicaSet) validate in another
+        process, so their verdict is only known with the first output: start
+        waits for that.
         """
         self.state.admission.acquire(len(self.choices))
         try:
@@ -161,6 +172,9 @@ class Generation:
                 c.arrival = now
                 self._tasks.append(asyncio.create_task(self._pump(c)))
             await asyncio.sleep(0)
+            if isinstance(self.state.engine, ReplicaSet) or any(
+                    c.params.structured_outputs is not None for c in self.choices):
+                await asyncio.gather(*(c.accepted.wait() for c in self.choices))
         except BaseException:
             self.close()
             raise
@@ -208,6 +222,7 @@ class Generation:
             async for out in stream:
                 self._observe(c, out)
                 self._queue.put_nowait((c.index, out))
+                c.accepted.set()
         except asyncio.CancelledError:
             if c.final is None:
                 self._aborted(c)
@@ -217,6 +232,7 @@ class Generation:
                 self._error = e
             self._release(c)
             self._queue.put_nowait((c.index, e))
+            c.accepted.set()
         finally:
             await stream.aclose()
 
@@ -249,12 +265,26 @@ class Generation:
             self.state.admission.release(1)
 
 
+async def start(request: Request, gen: Generation, constraint: Constraint | None) -> None:
+    """gen.start(); with a constraint, a grammar the engine cannot compile is a 400 naming
+    its request field, and a client leaving while the start waits for the verdict aborts."""
+    if constraint is None:
+        await gen.start()
+        return
+    try:
+        await unless_disconnected(request, gen.start())
+    except APIError as e:
+        raise constraint.name_field(e) from None
+
+
 def log_finished(request_id: str, out: RequestOutput) -> None:
     """One line per request: where its time went (queue, prefill, decode)."""
     m = out.metrics
     if m is None:
         return
     extra = f", {m.num_preemptions} preemptions" if m.num_preemptions else ""
+    if m.kv_transfer_s is not None:
+        extra += f", KV transfer {m.kv_transfer_s * 1e3:.0f} ms ({m.kv_transfer_bytes} bytes)"
     logger.info(
         "req %s finished (%s): prompt %d tokens (%d cached), output %d tokens | "
         "queue %.0f ms, prefill %.0f ms (%.0f tok/s), decode %.0f ms (%.1f tok/s)%s",

@@ -13,6 +13,8 @@ Each app has its own registry: several servers can live in one process (tests).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -22,7 +24,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from tandem.engine.client import EngineClient
+from tandem.engine.client import EngineClient, EngineStats, ReplicaSet
 from tandem.outputs import RequestMetrics
 
 LABELS = ["model_name", "engine"]
@@ -100,6 +102,12 @@ class ServerMetrics:
             "tandem:request_aborts", "Engine requests aborted before they finished "
             "(client disconnected or the server gave up on them).", LABELS, registry=r,
         ).labels(*lv)
+        self.kv_transfer_time = hist(
+            "tandem:kv_transfer_time_seconds", "Disaggregated prefill: moving a request's "
+            "prompt KV from its prefill replica into its decode replica's pool.", TTFT_BUCKETS)
+        self.kv_transfer_bytes = Counter(
+            "tandem:kv_transfer_bytes", "Disaggregated prefill: KV bytes moved from prefill "
+            "to decode replicas.", LABELS, registry=r).labels(*lv)
         r.register(_EngineCollector(engine, lv))
 
     # ------------------------------------------------------------ observations
@@ -122,6 +130,9 @@ class ServerMetrics:
         self.inference.observe(m.prefill_s + m.decode_s)
         self.prompt_tokens.observe(m.num_prompt_tokens)
         self.generation_tokens.observe(m.num_output_tokens)
+        if m.kv_transfer_s is not None:
+            self.kv_transfer_time.observe(m.kv_transfer_s)
+            self.kv_transfer_bytes.inc(m.kv_transfer_bytes)
 
     def aborted(self) -> None:
         self.aborts.inc()
@@ -135,7 +146,9 @@ class _EngineCollector:
     """Gauges and cumulative counters read from the engine at scrape time.
 
     The engine thread writes these ints; reading them from the event loop is
-    safe (a scrape sees a value at most one step old).
+    safe (a scrape sees a value at most one step old). Over several replicas
+    (a ReplicaSet) each sample is one replica's, labelled with its index
+    (``engine``, as vLLM's data parallel ranks) and its name (``replica``).
     """
 
     def __init__(self, engine: EngineClient, label_values: tuple[str, str]) -> None:
@@ -146,33 +159,42 @@ class _EngineCollector:
         return []  # collected lazily; nothing to check for duplicates at registration
 
     def collect(self):
-        s = self.engine.stats()
+        labels, rows = LABELS, [(self.lv, self.engine.stats())]
+        if isinstance(self.engine, ReplicaSet):
+            labels = LABELS + ["replica"]
+            rows = [([self.lv[0], str(i), name], s) for i, (name, s)
+                    in enumerate(self.engine.replica_stats().items()) if s is not None]
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=LABELS)
-            g.add_metric(self.lv, value)
+        def gauge(name: str, doc: str, value: Callable[[EngineStats], float]
+                  ) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            for lv, s in rows:
+                g.add_metric(lv, value(s))
             return g
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=LABELS)
-            c.add_metric(self.lv, value)
+        def counter(name: str, doc: str, value: Callable[[EngineStats], float]
+                    ) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            for lv, s in rows:
+                c.add_metric(lv, value(s))
             return c
 
         yield gauge("vllm:num_requests_running",
-                    "Number of requests in model execution batches.", s.num_running)
+                    "Number of requests in model execution batches.", lambda s: s.num_running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                    s.num_waiting + s.num_pending)
+                    lambda s: s.num_waiting + s.num_pending)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                    s.kv_cache_usage)
+                    lambda s: s.kv_cache_usage)
         yield counter("vllm:num_preemptions",
-                      "Cumulative number of preemption from the engine.", s.num_preemptions)
+                      "Cumulative number of preemption from the engine.",
+                      lambda s: s.num_preemptions)
         yield counter("vllm:prefix_cache_queries",
                       "Prefix cache queries, in terms of number of queried tokens.",
-                      s.prefix_cache_queries)
+                      lambda s: s.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits",
                       "Prefix cache hits, in terms of number of cached tokens.",
-                      s.prefix_cache_hits)
+                      lambda s: s.prefix_cache_hits)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
-                      s.prompt_tokens_total)
+                      lambda s: s.prompt_tokens_total)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                      s.generation_tokens_total)
+                      lambda s: s.generation_tokens_total)

@@ -14,10 +14,13 @@ nanoseconds, taken from the engine's own phase timings:
 
 Streaming sends one NDJSON object per generated token, the last with
 ``done: true`` and the counters, so eval_count equals the objects received.
+A tool call arrives whole, in the object of the token that completes it, with
+its arguments as an object (Ollama's shape); its text is not sent as content.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -34,6 +37,7 @@ from tandem.entrypoints.server.generation import (
     Generation,
     make_sampling_params,
     open_ended_max_tokens,
+    start,
     to_api_error,
 )
 from tandem.entrypoints.server.protocol import (
@@ -44,6 +48,14 @@ from tandem.entrypoints.server.protocol import (
 )
 from tandem.entrypoints.server.state import ServerState
 from tandem.entrypoints.server.streaming import ClosingStreamingResponse, unless_disconnected
+from tandem.entrypoints.server.structured import (
+    Constraint,
+    ToolPlan,
+    from_ollama_format,
+    plan_tools,
+    template_messages,
+)
+from tandem.entrypoints.server.tool_parsers import ToolCall, ToolCallParser, is_json_object
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 
@@ -138,7 +150,7 @@ async def show(request: Request) -> dict:
             f"{arch}.attention.head_count": cfg.num_attention_heads,
             f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
         },
-        "capabilities": ["completion"],
+        "capabilities": ["completion", "tools"],
         "modified_at": datetime.fromtimestamp(c.created, timezone.utc).isoformat(),
     }
 
@@ -149,7 +161,7 @@ async def generate(request: Request):
     t0 = time.monotonic()
     state = _state(request)
     req = await state.read(request, OllamaGenerateRequest)
-    model = _check_common(state, req)
+    model, constraint = _check_common(state, req)
     if req.images:
         raise bad_request("images are not supported")
     if req.suffix:
@@ -170,7 +182,7 @@ async def generate(request: Request):
             if req.system:
                 messages.insert(0, {"role": "system", "content": req.system})
             ids += await state.chat_ids(messages)
-    return await _run(request, state, req, model, ids, t0, chat=False)
+    return await _run(request, state, req, model, ids, t0, constraint)
 
 
 @router.post("/api/chat")
@@ -178,37 +190,45 @@ async def chat(request: Request):
     t0 = time.monotonic()
     state = _state(request)
     req = await state.read(request, OllamaChatRequest)
-    model = _check_common(state, req)
-    if req.tools:
-        raise bad_request("tool calling is not supported")
+    model, constraint = _check_common(state, req)
     if not req.messages:
         return {"model": model, "created_at": _now(),
                 "message": {"role": "assistant", "content": ""}, "done": True,
                 "done_reason": "load"}
+    plan = plan_tools(req.tools, None, True,
+                      state.tokenizer.chat_template if req.tools else None)
     messages = []
     for i, m in enumerate(req.messages):
         if m.images:
             raise bad_request(f"messages[{i}]: images are not supported")
-        messages.append({"role": m.role, "content": m.content or ""})
-    ids = await state.chat_ids(messages)
-    return await _run(request, state, req, model, ids, t0, chat=True)
+        msg: dict = {"role": m.role, "content": m.content or ""}
+        if m.tool_calls:
+            msg["tool_calls"] = [{"type": "function", "function": {
+                "name": c.function.name, "arguments": c.function.arguments}}
+                for c in m.tool_calls]
+        if m.tool_name is not None:
+            msg["name"] = m.tool_name
+        messages.append(msg)
+    messages, tools = template_messages(messages, plan)
+    ids = await state.chat_ids(messages, tools=tools)
+    return await _run(request, state, req, model, ids, t0, constraint, chat=True, plan=plan)
 
 
-def _check_common(state: ServerState, req: OllamaGenerateRequest | OllamaChatRequest) -> str:
+def _check_common(state: ServerState, req: OllamaGenerateRequest | OllamaChatRequest
+                  ) -> tuple[str, Constraint | None]:
     if not req.model:
         raise bad_request("model is required", "model")
     state.check_model(req.model, ollama=True)
-    if req.format not in (None, ""):
-        raise bad_request("format (structured outputs) is not supported")
+    constraint = from_ollama_format(req.format)
     if req.think not in (None, False):
         raise bad_request(f'"{req.model}" does not support thinking')
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise bad_request(f"top_logprobs must be between 0 and 20, got {req.top_logprobs}")
-    return req.model
+    return req.model, constraint
 
 
 def _params(state: ServerState, opts: OllamaOptions | None, prompt_len: int,
-            logprobs: int | None) -> SamplingParams:
+            logprobs: int | None, constraint: Constraint | None) -> SamplingParams:
     o = opts or OllamaOptions()
     window = state.card.max_model_len
     if o.num_ctx is not None:
@@ -239,18 +259,19 @@ def _params(state: ServerState, opts: OllamaOptions | None, prompt_len: int,
         state, max_tokens, temperature=o.temperature, top_k=o.top_k, top_p=o.top_p,
         min_p=o.min_p, seed=o.seed, stop=o.stop, repetition_penalty=o.repeat_penalty,
         presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
-        logprobs=logprobs,
+        logprobs=logprobs, structured_outputs=constraint.params if constraint else None,
     )
 
 
 async def _run(request: Request, state: ServerState,
                req: OllamaGenerateRequest | OllamaChatRequest, model: str, ids: list[int],
-               t0: float, chat: bool) -> Response:
+               t0: float, constraint: Constraint | None, chat: bool = False,
+               plan: ToolPlan | None = None) -> Response:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = _params(state, req.options, len(ids), logprobs)
+    params = _params(state, req.options, len(ids), logprobs, constraint)
     gen = Generation(state, state.new_id("ollama"), [ids], [params])
-    view = _View(state, model, gen, t0, chat)
-    await gen.start()
+    view = _View(state, model, gen, t0, chat, plan.parser() if plan else None)
+    await start(request, gen, constraint)
     if req.stream:
         return ClosingStreamingResponse(view.lines(), gen.close,
                                         media_type="application/x-ndjson")
@@ -262,19 +283,25 @@ async def _run(request: Request, state: ServerState,
 
 
 class _View:
-    def __init__(self, state: ServerState, model: str, gen: Generation, t0: float, chat: bool
-                 ) -> None:
+    def __init__(self, state: ServerState, model: str, gen: Generation, t0: float, chat: bool,
+                 parser: ToolCallParser | None = None) -> None:
         self.state = state
         self.model = model
         self.gen = gen
         self.t0 = t0
         self.chat = chat
         self.tok = state.engine.tokenizer
+        self.parser = parser
+        self._sent_calls = 0  # tool calls already streamed
 
-    def _object(self, text: str) -> dict:
+    def _object(self, text: str, calls: list[ToolCall] | None = None) -> dict:
         obj: dict = {"model": self.model, "created_at": _now()}
         if self.chat:
             obj["message"] = {"role": "assistant", "content": text}
+            if calls:
+                obj["message"]["tool_calls"] = [
+                    {"function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                    for c in calls]
         else:
             obj["response"] = text
         obj["done"] = False
@@ -313,7 +340,13 @@ class _View:
 
     def whole(self, outs: list[RequestOutput]) -> dict:
         final = outs[-1]
-        obj = self._finish(self._object(final.outputs[0].text), final)
+        text, calls = final.outputs[0].text, None
+        if self.parser is not None:
+            self.parser.feed(text)
+            self.parser.finish()
+            content, calls = self.parser.result()
+            text = (content or "") if calls else text
+        obj = self._finish(self._object(text, calls), final)
         if self.gen.choices[0].params.logprobs is not None:
             obj["logprobs"] = self._logprobs(outs)
         return obj
@@ -322,7 +355,7 @@ class _View:
         want_lp = self.gen.choices[0].params.logprobs is not None
         try:
             async for _, out in self.gen:
-                obj = self._object(out.delta_text)
+                obj = self._object(*self._stream_step(out))
                 if want_lp:
                     obj["logprobs"] = self._logprobs([out])
                 if out.finished:
@@ -330,6 +363,16 @@ class _View:
                 yield _line(obj)
         except Exception as e:  # after the 200 went out: an error object ends the stream
             yield _line(to_api_error(e).ollama_body())
+
+    def _stream_step(self, out: RequestOutput) -> tuple[str, list[ToolCall]]:
+        """This token's content, and the tool calls it completed (sent whole, as Ollama does)."""
+        if self.parser is None:
+            return out.delta_text, []
+        p = self.parser
+        deltas = p.feed(out.delta_text) + (p.finish() if out.finished else [])
+        done = list(itertools.takewhile(lambda c: c.complete, p.calls[self._sent_calls:]))
+        self._sent_calls += len(done)
+        return "".join(d.content for d in deltas), [c for c in done if is_json_object(c.arguments)]
 
 
 def _ns(seconds: float) -> int:

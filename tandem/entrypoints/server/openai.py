@@ -26,6 +26,7 @@ from tandem.entrypoints.server.generation import (
     fan_out,
     make_sampling_params,
     open_ended_max_tokens,
+    start,
     to_api_error,
 )
 from tandem.entrypoints.server.protocol import (
@@ -38,6 +39,17 @@ from tandem.entrypoints.server.protocol import (
 )
 from tandem.entrypoints.server.state import ServerState
 from tandem.entrypoints.server.streaming import ClosingStreamingResponse, unless_disconnected
+from tandem.entrypoints.server.structured import (
+    Constraint,
+    ToolPlan,
+    from_response_format,
+    from_structured_outputs,
+    json_arguments,
+    one_constraint,
+    plan_tools,
+    template_messages,
+)
+from tandem.entrypoints.server.tool_parsers import Delta
 from tandem.outputs import RequestMetrics, RequestOutput
 from tandem.sampling_params import SamplingParams
 
@@ -121,8 +133,10 @@ async def completions(request: Request):
     batch = isinstance(req.prompt, list) and bool(req.prompt) and \
         not isinstance(req.prompt[0], int)
     state.check_fan_out(req.n, len(req.prompt) if batch else 1)
+    constraint = one_constraint(from_response_format(req.response_format),
+                                from_structured_outputs(req.structured_outputs))
     params = _params(state, req, req.max_tokens if req.max_tokens is not None
-                     else COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs)
+                     else COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs, constraint)
     prompts = await _completion_prompts(state, req.prompt)
     per_prompt = fan_out(params)
     echo = [await _echo_text(state, req.prompt, ids, i) if req.echo else "" for i, ids in
@@ -130,7 +144,7 @@ async def completions(request: Request):
     gen = Generation(state, state.new_id("cmpl"), [ids for ids in prompts for _ in per_prompt],
                      per_prompt * len(prompts))
     view = _View(state, req.model or state.card.name, gen, len(per_prompt), req.return_token_ids)
-    await gen.start()  # from here on, gen.close() must run: the response or finally does it
+    await start(request, gen, constraint)  # from here on, gen.close() must run
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _sse(gen, view.completion_chunks(echo, include_usage))
@@ -167,25 +181,30 @@ async def chat_completions(request: Request):
     state = _state(request)
     req = await state.read(request, ChatCompletionRequest)
     state.check_model(req.model)
-    if req.tools or req.functions:
-        raise bad_request("tool calling is not supported", "tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("response_format other than text (JSON mode) is not supported",
-                          "response_format")
+    if req.functions:
+        raise bad_request("functions (deprecated by OpenAI) are not supported; send tools",
+                          "functions")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     _check_logprobs(req.top_logprobs, "top_logprobs")
     state.check_fan_out(req.n)
-    ids = await _chat_ids(state, req.messages, req.add_generation_prompt)
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
+                      state.tokenizer.chat_template if req.tools else None)
+    constraint = one_constraint(from_response_format(req.response_format),
+                                from_structured_outputs(req.structured_outputs),
+                                plan.constraint() if plan else None)
+    ids = await _chat_ids(state, req.messages, req.add_generation_prompt, plan)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     if max_tokens is None:
         max_tokens = open_ended_max_tokens(state, len(ids))
-    params = _params(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    params = _params(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                     constraint)
     per_choice = fan_out(params)
     gen = Generation(state, state.new_id("chatcmpl"), [ids] * len(per_choice), per_choice)
-    view = _View(state, req.model or state.card.name, gen, len(per_choice), req.return_token_ids)
-    await gen.start()
+    view = _View(state, req.model or state.card.name, gen, len(per_choice), req.return_token_ids,
+                 plan)
+    await start(request, gen, constraint)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _sse(gen, view.chat_chunks(include_usage))
@@ -212,18 +231,32 @@ def flatten_content(content: str | list[TextPart] | None, where: str) -> str:
 
 
 async def _chat_ids(state: ServerState, messages: list[ChatMessage],
-                    add_generation_prompt: bool) -> list[int]:
+                    add_generation_prompt: bool, plan: ToolPlan | None = None) -> list[int]:
     """The chat template's token ids, rendered and encoded in a tokenizer thread.
 
     OpenAI's "developer" role is its newer name for "system", which is what
-    chat templates know.
+    chat templates know; an assistant's tool calls reach the template with
+    their arguments as objects (HF's convention), a tool result with its
+    ``tool_call_id``.
     """
     if not messages:
         raise bad_request("messages must not be empty", "messages")
-    flat = [{"role": "system" if m.role == "developer" else m.role,
-             "content": flatten_content(m.content, f"messages[{i}]")}
-            for i, m in enumerate(messages)]
-    return await state.chat_ids(flat, add_generation_prompt)
+    flat = []
+    for i, m in enumerate(messages):
+        msg: dict = {"role": "system" if m.role == "developer" else m.role,
+                     "content": flatten_content(m.content, f"messages[{i}]")}
+        if m.tool_calls:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {
+                    "name": c.function.name,
+                    "arguments": json_arguments(c.function.arguments,
+                                                f"messages[{i}].tool_calls[{j}].function.arguments")}}
+                for j, c in enumerate(m.tool_calls)]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        flat.append(msg)
+    flat, tools = template_messages(flat, plan)
+    return await state.chat_ids(flat, add_generation_prompt, tools)
 
 
 # ---------------------------------------------------------------- helpers
@@ -233,7 +266,8 @@ def _check_logprobs(k: int | None, param: str) -> None:
 
 
 def _params(state: ServerState, req: CompletionRequest | ChatCompletionRequest,
-            max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+            max_tokens: int | None, logprobs: int | None, constraint: Constraint | None
+            ) -> SamplingParams:
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     return make_sampling_params(
@@ -244,6 +278,7 @@ def _params(state: ServerState, req: CompletionRequest | ChatCompletionRequest,
         ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
+        structured_outputs=constraint.params if constraint else None,
     )
 
 
@@ -269,7 +304,7 @@ def phase_split(m: RequestMetrics | None) -> dict | None:
     """The ``tandem`` extension: where this request's time went."""
     if m is None:
         return None
-    return {
+    split = {
         "queue_s": round(m.queued_s, 6), "prefill_s": round(m.prefill_s, 6),
         "decode_s": round(m.decode_s, 6),
         "ttft_s": None if m.ttft_s is None else round(m.ttft_s, 6),
@@ -279,6 +314,10 @@ def phase_split(m: RequestMetrics | None) -> dict | None:
         "prompt_tokens": m.num_prompt_tokens, "cached_tokens": m.num_cached_tokens,
         "output_tokens": m.num_output_tokens, "preemptions": m.num_preemptions,
     }
+    if m.kv_transfer_s is not None:  # disaggregated: prefill and decode on two replicas
+        split["kv_transfer_s"] = round(m.kv_transfer_s, 6)
+        split["kv_transfer_bytes"] = m.kv_transfer_bytes
+    return split
 
 
 _NEG = -9999.0  # vLLM's stand-in for -inf: JSON has no infinities
@@ -292,7 +331,7 @@ class _View:
     """Renders one Generation's outputs as OpenAI JSON (whole responses or chunks)."""
 
     def __init__(self, state: ServerState, model: str, gen: Generation, n: int,
-                 return_token_ids: bool) -> None:
+                 return_token_ids: bool, plan: ToolPlan | None = None) -> None:
         self.state = state
         self.tok = state.engine.tokenizer
         self.model = model
@@ -301,6 +340,7 @@ class _View:
         self.return_token_ids = return_token_ids
         self.created = int(time.time())
         self._offsets = [0] * len(gen.choices)
+        self._parsers = [plan.parser() if plan else None for _ in gen.choices]
 
     # --------------------------------------------------------- shared parts
     def _finals(self) -> list[RequestOutput | None]:
@@ -412,8 +452,9 @@ class _View:
         async for index, out in self.gen:
             first = index not in started
             started.add(index)
-            choice = {"index": index, **body(index, out, first),
+            choice = {"index": index,
                       "finish_reason": out.finish_reason if out.finished else None}
+            choice.update(body(index, out, first))
             if out.finished:
                 choice["stop_reason"] = out.outputs[0].stop_reason
                 left -= 1
@@ -438,11 +479,23 @@ class _View:
         for c, c_outs in zip(self.gen.choices, outs):
             final = c_outs[-1]
             k = c.params.logprobs
+            message: dict = {"role": "assistant", "content": final.outputs[0].text}
+            finish_reason = final.finish_reason
+            parser = self._parsers[c.index]
+            if parser is not None:
+                parser.feed(final.outputs[0].text)
+                parser.finish()
+                content, calls = parser.result()
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": [
+                        {"id": t.id, "type": "function",
+                         "function": {"name": t.name, "arguments": t.arguments}}
+                        for t in calls]}
+                    finish_reason = tool_finish_reason(finish_reason)
             choice = {
-                "index": c.index,
-                "message": {"role": "assistant", "content": final.outputs[0].text},
+                "index": c.index, "message": message,
                 "logprobs": None if k is None else self._chat_logprobs(c_outs, k),
-                "finish_reason": final.finish_reason, "stop_reason": final.outputs[0].stop_reason,
+                "finish_reason": finish_reason, "stop_reason": final.outputs[0].stop_reason,
             }
             if self.return_token_ids:
                 choice["token_ids"] = final.outputs[0].token_ids
@@ -459,7 +512,38 @@ class _View:
             delta = {"role": "assistant"} if first else {}
             delta["content"] = out.delta_text
             k = self.gen.choices[index].params.logprobs
-            return {"delta": delta,
+            body = {"delta": delta,
                     "logprobs": None if k is None else self._chat_logprobs([out], k)}
+            parser = self._parsers[index]
+            if parser is not None:
+                deltas = parser.feed(out.delta_text) + (parser.finish() if out.finished else [])
+                delta["content"] = "".join(d.content for d in deltas)
+                calls = tool_call_deltas(deltas)
+                if calls:
+                    delta["tool_calls"] = calls
+                    delta["content"] = delta["content"] or None
+                if out.finished and parser.calls:
+                    body["finish_reason"] = tool_finish_reason(out.finish_reason)
+            return body
 
         return self._chunks("chat.completion.chunk", include_usage, body)
+
+
+def tool_finish_reason(reason: str | None) -> str | None:
+    """A response that called tools ends with ``tool_calls`` unless it was cut short."""
+    return "tool_calls" if reason == "stop" else reason
+
+
+def tool_call_deltas(deltas: list[Delta]) -> list[dict]:
+    """OpenAI's streamed tool calls: a call's first delta has its index, id, type, name and
+    empty arguments; the next ones carry argument fragments."""
+    out = []
+    for d in deltas:
+        if d.index is None:
+            continue
+        if d.call_id is not None:
+            out.append({"index": d.index, "id": d.call_id, "type": "function",
+                        "function": {"name": d.name, "arguments": ""}})
+        elif d.arguments:
+            out.append({"index": d.index, "function": {"arguments": d.arguments}})
+    return out

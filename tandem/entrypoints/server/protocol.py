@@ -3,8 +3,8 @@
 Unknown fields are ignored (as vLLM and Ollama do), so newer SDKs keep
 working; known fields are type-checked here and range-checked by
 SamplingParams, and both failures become a 400 that names the field.
-Known features tandem does not implement (tools, JSON mode, images, logit
-bias) are rejected explicitly rather than silently ignored.
+Known features tandem does not implement (images, logit bias, legacy
+``functions``) are rejected explicitly rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -33,6 +33,65 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """``response_format``: text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's ``structured_outputs`` body field (exactly one constraint)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class _OpenAISampling(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions (vLLM's extensions too)."""
 
@@ -49,6 +108,8 @@ class _OpenAISampling(_Body):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # accepted and ignored (OpenAI uses it for abuse monitoring)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
     # vLLM extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -83,6 +144,8 @@ class ChatMessage(_Body):
     role: ChatRole
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -91,9 +154,10 @@ class ChatCompletionRequest(_OpenAISampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Body):
@@ -107,6 +171,79 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+
+# ------------------------------------------------------- OpenAI Responses
+class ResponsesTool(_Body):
+    """The Responses API's flat function tool."""
+
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesToolChoice(_Body):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesTextFormat(_Body):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponsesText(_Body):
+    format: ResponsesTextFormat | None = None
+
+
+class ResponsesInputPart(_Body):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class ResponsesMessageItem(_Body):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ResponsesInputPart]
+
+
+class ResponsesFunctionCallItem(_Body):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class ResponsesFunctionCallOutputItem(_Body):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+class ResponsesRequest(_Body):
+    """POST /v1/responses, stateless: every turn travels in ``input``."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
+    parallel_tool_calls: bool = True
+    text: ResponsesText | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None  # accepted and ignored, as in chat completions
 
 
 # ------------------------------------------------------------------ Ollama
@@ -147,16 +284,26 @@ class OllamaGenerateRequest(_OllamaBody):
     images: list[Any] | None = None
 
 
+class OllamaFunctionCall(_Body):
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class OllamaToolCall(_Body):
+    function: OllamaFunctionCall
+
+
 class OllamaMessage(_Body):
     role: str  # passed to the chat template as is, as Ollama does
     content: str | None = ""
     images: list[Any] | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[OllamaToolCall] | None = None
+    tool_name: str | None = None  # a tool result: the tool that produced it
 
 
 class OllamaChatRequest(_OllamaBody):
     messages: list[OllamaMessage] = Field(default_factory=list)
-    tools: list[Any] | None = None
+    tools: list[ChatTool] | None = None
 
 
 class OllamaShowRequest(_Body):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import secrets
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -116,13 +117,16 @@ class ServerState:
         self._check_text(sum(len(t) for t in texts), param)
         return await self.off_loop(lambda: [tok.encode(t, add_special_tokens) for t in texts])
 
-    async def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True
-                       ) -> list[int]:
+    async def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                       tools: list[dict] | None = None) -> list[int]:
         """Both APIs' chat prompt: bounded (more characters than the context holds are
         refused first), then templated and encoded off the event loop."""
         tok = self.tokenizer
-        self._check_text(sum(len(m["content"]) for m in messages), "messages")
+        chars = sum(len(m["content"]) + len(json.dumps(m.get("tool_calls") or ""))
+                    for m in messages)
+        self._check_text(chars + len(json.dumps(tools or "")), "messages")
         try:
-            return await self.off_loop(tok.apply_chat_template, messages, add_generation_prompt)
+            return await self.off_loop(tok.apply_chat_template, messages, add_generation_prompt,
+                                       tools)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None

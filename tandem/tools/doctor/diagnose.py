@@ -17,7 +17,9 @@ A serving checklist, as rules over numbers measured on the live server:
 This module is the analysis only: ``diagnose(Measurements)`` is a pure
 function of numbers (collected by ``tandem.tools.doctor.probe``), so every
 rule is tested on synthetic measurements, and every finding carries the
-number that triggered it.
+number that triggered it. The thresholds, each finding's wording and knobs, and
+the verdict are in ``tandem.diagnosis``, which the server's live dashboard
+applies to its own figures.
 """
 
 from __future__ import annotations
@@ -28,23 +30,35 @@ import textwrap
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tandem.diagnosis import (
+    CEILING_LOW,
+    COLD_START_S,
+    CONTEXT_DROP,
+    GROWTH,
+    KV_FULL,
+    QUEUE_S,
+    READABLE_TOK_S,
+    STALL_FACTOR,
+    STALL_S,
+    TTFT_TARGET_S,
+    Finding,
+    cache_finding,
+    knob,
+    ms,
+    prefill_finding,
+    queue_finding,
+    rejected_finding,
+    slow_decode_finding,
+    sort_findings,
+    stall_finding,
+    verdict,
+)
+
 KINDS = ("tandem", "vllm", "llama-server", "ollama", "openai")
 KIND_NAMES = {
     "tandem": "tandem", "vllm": "vLLM", "llama-server": "llama-server", "ollama": "Ollama",
     "openai": "an OpenAI-compatible server",
 }
-
-# Thresholds: each is the line between "fine" and "a user notices".
-TTFT_TARGET_S = 1.0  # a first token within about a second feels responsive in a chat
-READABLE_TOK_S = 10.0  # below this, text types out slower than people read
-GROWTH = 1.5  # TTFT "grows with the prompt" when the long prompt's is this many times the short's
-QUEUE_S = 0.25  # a lone request that waited this long for a slot was queued behind others
-KV_FULL = 0.9  # KV cache usage at or above this: the next request preempts or waits
-STALL_S = 0.5  # a gap in a running stream this long is a visible stutter ...
-STALL_FACTOR = 3.0  # ... when it is also this many times the stream's usual gap
-CEILING_LOW = 0.5  # decode below this fraction of the bandwidth ceiling: time goes elsewhere
-CONTEXT_DROP = 0.25  # decode this much slower at the long prompt: the KV read is visible
-COLD_START_S = 1.0  # the first request paid this much more than later ones: a model load
 
 
 # --------------------------------------------------------------------- inputs
@@ -155,90 +169,6 @@ class Measurements:
         return asdict(self)
 
 
-# -------------------------------------------------------------------- outputs
-@dataclass
-class Finding:
-    """One diagnosis: the phase it concerns, the evidence, and the knobs in order."""
-
-    rule: str
-    severity: str  # "problem" | "warning" | "ok"
-    phase: str  # "queue" | "cache" | "prefill" | "decode" | "startup"
-    title: str
-    evidence: str
-    knobs: list[str] = field(default_factory=list)
-    values: dict[str, float] = field(default_factory=dict)
-
-
-SEVERITY_ORDER = {"problem": 0, "warning": 1, "ok": 2}
-PHASE_ORDER = {"queue": 0, "cache": 1, "startup": 2, "prefill": 3, "decode": 4}
-
-# The same knob in each server's words.
-KNOBS: dict[str, dict[str, str]] = {
-    "tandem": {
-        "slots": "--max-num-seqs N",
-        "queue": "--max-queue N",
-        "kv_memory": "--kv-cache-memory (CPU) / --gpu-memory-utilization (GPU)",
-        "kv_8bit": "--kv-cache-dtype int8",
-        "quantize": "--quantization int8 (int4: fewer bytes still)",
-        "budget": "--max-num-batched-tokens",
-        "prefix": "prefix caching (on unless --no-enable-prefix-caching): keep shared "
-                  "prompt prefixes byte-identical",
-        "context": "--max-model-len",
-        "keep_alive": "a warm-up request after start (the first pays for lazy "
-                      "initialisation; tandem never unloads the model)",
-        "size_plan": "tandem plan MODEL --device ... --users N",
-    },
-    "vllm": {
-        "slots": "--max-num-seqs N",
-        "queue": "a queue bound in the proxy in front (vLLM has none)",
-        "kv_memory": "--gpu-memory-utilization",
-        "kv_8bit": "--kv-cache-dtype fp8",
-        "quantize": "a quantized checkpoint (AWQ/GPTQ) or --quantization fp8",
-        "budget": "--max-num-batched-tokens",
-        "prefix": "--enable-prefix-caching, with shared prompt prefixes byte-identical",
-        "context": "--max-model-len",
-        "keep_alive": "a warm-up request after start (vLLM never unloads the model; the "
-                      "first request pays for compilation and CUDA graphs)",
-        "size_plan": "tandem plan MODEL --device ... --users N",
-    },
-    "llama-server": {
-        "slots": "-np N, with -c N x the context per conversation (-c is split across slots)",
-        "queue": "a queue bound in the proxy in front (llama-server has none)",
-        "kv_memory": "-c (total KV tokens over all slots), and -ngl so every layer is on the GPU",
-        "kv_8bit": "--cache-type-k q8_0 --cache-type-v q8_0 -fa on",
-        "quantize": "a smaller GGUF (Q8_0, Q4_K_M)",
-        "budget": "-b / -ub (the logical and physical batch)",
-        "prefix": "cache_prompt (on by default) and --cache-reuse 256, with shared prefixes "
-                  "byte-identical",
-        "context": "-c",
-        "keep_alive": "a warm-up request after start (llama-server never unloads the model)",
-        "size_plan": "tandem plan MODEL.gguf --device ... --users N",
-    },
-    "ollama": {
-        "slots": "OLLAMA_NUM_PARALLEL=N (Ollama reserves NUM_PARALLEL x OLLAMA_CONTEXT_LENGTH "
-                 "tokens of KV: check they fit)",
-        "queue": "OLLAMA_MAX_QUEUE",
-        "kv_memory": "a smaller OLLAMA_NUM_PARALLEL x OLLAMA_CONTEXT_LENGTH, or more GPU memory",
-        "kv_8bit": "OLLAMA_KV_CACHE_TYPE=q8_0 with OLLAMA_FLASH_ATTENTION=1",
-        "quantize": "a smaller quantization tag (q4_K_M, q8_0)",
-        "budget": "the num_batch option",
-        "prefix": "keep each conversation's earlier turns byte-identical (Ollama reuses a "
-                  "slot's cached prompt)",
-        "context": "OLLAMA_CONTEXT_LENGTH (or num_ctx per request)",
-        "keep_alive": "OLLAMA_KEEP_ALIVE=-1 (or keep_alive: -1 per request)",
-        "size_plan": "tandem plan MODEL --device ... --users N",
-    },
-}
-KNOBS["openai"] = {
-    k: v.replace("--", "the server's --", 1) if v.startswith("--") else v
-    for k, v in KNOBS["vllm"].items()
-}
-
-
-def knob(kind: str, name: str) -> str:
-    return KNOBS.get(kind, KNOBS["openai"])[name]
-
-
 # ---------------------------------------------------------------------- rules
 def _ok(p: Probe | None) -> bool:
     return p is not None and p.ok and not math.isnan(p.ttft_s)
@@ -247,10 +177,6 @@ def _ok(p: Probe | None) -> bool:
 def _size(n: float) -> str:
     """Bytes as GB (1e9, as bandwidths are quoted), or MB below one GB."""
     return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
-
-
-def _ms(s: float) -> str:
-    return f"{s * 1e3:,.0f} ms"
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -311,21 +237,7 @@ def _rule_cache(m: Measurements) -> Finding | None:
     hit, parts, values = _cache_pressure(m)
     if not hit:
         return None
-    k = m.kind
-    return Finding(
-        "kv_cache_full", "problem", "cache",
-        "The KV cache is full: requests are preempted (recomputed) or wait for blocks, so "
-        "concurrency stops at what the cache holds",
-        "; ".join(parts),
-        [
-            f"give the cache more memory: {knob(k, 'kv_memory')}",
-            f"store it in 8 bits: {knob(k, 'kv_8bit')}",
-            f"a shorter context per conversation: {knob(k, 'context')}",
-            f"or fewer slots, so those that run fit: {knob(k, 'slots')}; size it with "
-            f"{knob(k, 'size_plan')}",
-        ],
-        values,
-    )
+    return cache_finding(m.kind, "; ".join(parts), values)
 
 
 def pair_overlap(m: Measurements) -> tuple[float, float, float] | None:
@@ -404,31 +316,13 @@ def _rule_queue(m: Measurements) -> Finding | None:
             values[f"{p.name}_queue_s"] = p.server_queue_s
     if not parts:
         return None
-    k = m.kind
-    return Finding(
-        "queue_waiting", "problem", "queue",
-        "Requests wait in a queue before they start: TTFT includes time doing nothing",
-        "; ".join(parts),
-        [
-            f"more slots if memory allows: {knob(k, 'slots')}",
-            "else fewer users per server (another replica): the queue only moves the wait",
-            f"and a short queue bound: {knob(k, 'queue')}",
-        ],
-        values,
-    )
+    return queue_finding(m.kind, "; ".join(parts), values)
 
 
 def _rule_rejected(m: Measurements) -> Finding | None:
     for p in (m.short, m.long, m.stream, m.pair_first, m.pair_second):
         if p is not None and not p.ok and ("503" in p.error or "overload" in p.error.lower()):
-            k = m.kind
-            return Finding(
-                "rejected", "problem", "queue",
-                "The server refused a request as overloaded: its queue is full",
-                f"the {p.name} probe failed: {p.error}",
-                [f"more slots: {knob(k, 'slots')}", f"a longer queue: {knob(k, 'queue')}",
-                 "or more servers: at this load requests cannot all be served"],
-            )
+            return rejected_finding(m.kind, f"the {p.name} probe failed: {p.error}")
     return None
 
 
@@ -444,25 +338,15 @@ def _rule_prefill(m: Measurements) -> Finding | None:
     if lg.ttft_s <= m.ttft_target_s or not from_prefill:
         return None
     rate, how = prefill_rate(m)
-    k = m.kind
     ev = (
-        f"TTFT {_ms(s.ttft_s)} at {s.prompt_tokens:,} prompt tokens -> {_ms(lg.ttft_s)} at "
+        f"TTFT {ms(s.ttft_s)} at {s.prompt_tokens:,} prompt tokens -> {ms(lg.ttft_s)} at "
         f"{lg.prompt_tokens:,} ({growth:.1f}x), above the {m.ttft_target_s:g} s target"
     )
     if not math.isnan(rate):
         ev += f"; prefill runs at {rate:,.0f} tok/s ({how})"
         ev += f", so every 1,000 prompt tokens cost {1000 / rate:.2f} s before the first token"
-    return Finding(
-        "slow_prefill", "problem", "prefill",
-        "The first token is slow because of prefill: TTFT grows with the prompt length",
-        ev,
-        [
-            "shorter prompts: trim the system prompt, the retrieved context and old turns",
-            f"reuse shared prefixes instead of recomputing them: {knob(k, 'prefix')}",
-            f"a larger per-step token budget so a prompt prefills in fewer steps: "
-            f"{knob(k, 'budget')} (it costs running streams smoothness)",
-            "prefill is compute bound: beyond that, only faster compute (a GPU) helps",
-        ],
+    return prefill_finding(
+        m.kind, "TTFT grows with the prompt length", ev,
         {"ttft_short_s": s.ttft_s, "ttft_long_s": lg.ttft_s, "growth": growth,
          "prefill_tok_s": rate},
     )
@@ -479,7 +363,7 @@ def _rule_ttft_overhead(m: Measurements, queued: bool) -> Finding | None:
         "ttft_overhead", "problem", "startup",
         "The first token is slow even for a short prompt, and barely depends on its "
         "length: the time is not prefill",
-        f"TTFT {_ms(s.ttft_s)} at {s.prompt_tokens:,} tokens and {_ms(lg.ttft_s)} at "
+        f"TTFT {ms(s.ttft_s)} at {s.prompt_tokens:,} tokens and {ms(lg.ttft_s)} at "
         f"{lg.prompt_tokens:,} ({growth:.1f}x for {lg.prompt_tokens / max(1, s.prompt_tokens):.0f}"
         "x the prompt)",
         [
@@ -523,28 +407,16 @@ def _rule_slow_decode(m: Measurements) -> Finding | None:
     rate = p.decode_tok_s
     if math.isnan(rate) or rate >= READABLE_TOK_S:
         return None
-    k = m.kind
     ev = (
         f"one stream decodes at {rate:.1f} tok/s ({p.output_tokens} tokens, ITL p50 "
-        f"{_ms(p.itl_p50_s)}), below the ~{READABLE_TOK_S:g} tok/s people read at"
+        f"{ms(p.itl_p50_s)}), below the ~{READABLE_TOK_S:g} tok/s people read at"
     )
     ceiling = decode_ceiling(m)
     if ceiling is not None:
         ev += f"; the bandwidth ceiling is {ceiling:.1f} tok/s"
-    return Finding(
-        "slow_decode", "problem", "decode",
-        "The text types out slowly: decode, which is memory-bandwidth bound",
-        ev,
-        [
-            f"quantize the weights (8 bit halves the bytes read per token): "
-            f"{knob(k, 'quantize')}",
-            "compare with the bandwidth ceiling (--bandwidth or --device here; tandem plan "
-            "--measure for this machine)",
-            f"lower the per-step token budget if long prompts run alongside: {knob(k, 'budget')}",
-            f"keep the context short (every step also reads the KV cache): {knob(k, 'context')}",
-        ],
-        {"decode_tok_s": rate},
-    )
+    return slow_decode_finding(
+        m.kind, ev, {"decode_tok_s": rate},
+        "--bandwidth or --device here; tandem plan --measure for this machine")
 
 
 def decode_ceiling(m: Measurements) -> float | None:
@@ -604,17 +476,9 @@ def _rule_stall(m: Measurements) -> Finding | None:
     usual = m.stream.itl_p50_s
     if math.isnan(usual) or worst < STALL_S or worst < STALL_FACTOR * usual:
         return None
-    return Finding(
-        "prefill_stalls_decode", "problem", "decode",
-        "Running streams stutter when someone else's long prompt arrives: its prefill holds "
-        "the batch up",
-        f"while a {b.prompt_tokens:,}-token prompt was prefilled, a running stream waited "
-        f"{_ms(worst)} for its next token (usually {_ms(usual)})",
-        [
-            f"lower the per-step token budget so prefill runs in small chunks between decode "
-            f"steps: {knob(m.kind, 'budget')}",
-            "prefill is compute bound: on a busy CPU expect it; a GPU shrinks the chunks' cost",
-        ],
+    return stall_finding(
+        m.kind, f"while a {b.prompt_tokens:,}-token prompt was prefilled, a running stream "
+        f"waited {ms(worst)} for its next token (usually {ms(usual)})",
         {"stall_s": worst, "itl_p50_s": usual},
     )
 
@@ -659,35 +523,12 @@ def diagnose(m: Measurements) -> list[Finding]:
     cache_hit = _cache_pressure(m)[0]
     queue = _rule_queue(m)
     one = _rule_one_at_a_time(m, cache_hit)
-    found = [
+    return sort_findings([
         _rule_rejected(m), one, queue, _rule_cache(m), _rule_cold_start(m),
         _rule_prefill(m), _rule_ttft_overhead(m, queued=queue is not None or one is not None),
         _rule_slow_decode(m), _rule_stall(m), _rule_offload(m), _rule_ceiling(m),
         _rule_context(m),
-    ]
-    out = [f for f in found if f is not None]
-    out.sort(key=lambda f: (SEVERITY_ORDER[f.severity], PHASE_ORDER[f.phase]))
-    return out
-
-
-def verdict(findings: list[Finding]) -> str:
-    """One sentence: which phase is slow and the first knob to turn."""
-    problems = [f for f in findings if f.severity == "problem"]
-    if not problems:
-        warn = [f for f in findings if f.severity == "warning"]
-        if warn:
-            return f"No outright problem; worth a look: {warn[0].title.split(':')[0].lower()}."
-        return ("Healthy: no queue, no cache pressure, the first token and the decode speed "
-                "are within their targets.")
-    f = problems[0]
-    what = {
-        "queue": "the time goes to waiting in a queue, not to the model",
-        "cache": "the KV cache is too small for the load",
-        "startup": "the first token waits for something other than prefill",
-        "prefill": "the first token is slow: prefill (prompt length)",
-        "decode": "the typing speed is slow: decode",
-    }[f.phase]
-    return f"{what[0].upper()}{what[1:]}. First knob: {f.knobs[0]}."
+    ])
 
 
 # --------------------------------------------------------------------- report
@@ -700,13 +541,13 @@ def _fmt(x: float | None, unit: str = "", digits: int = 0) -> str:
 def _probe_line(p: Probe) -> str:
     if not p.ok:
         return f"failed: {p.error}"
-    s = f"{p.prompt_tokens:,} prompt tokens: TTFT {_ms(p.ttft_s)}"
+    s = f"{p.prompt_tokens:,} prompt tokens: TTFT {ms(p.ttft_s)}"
     split = []
     if p.server_queue_s is not None:
-        split.append(f"queue {_ms(p.server_queue_s)}")
+        split.append(f"queue {ms(p.server_queue_s)}")
     if p.server_prefill_s is not None:
         rate = p.prefill_tok_s
-        split.append(f"prefill {_ms(p.server_prefill_s)}"
+        split.append(f"prefill {ms(p.server_prefill_s)}"
                      + (f" = {rate:,.0f} tok/s" if not math.isnan(rate) else ""))
     if p.cached_tokens:
         split.append(f"{p.cached_tokens} cached")
@@ -749,7 +590,7 @@ def format_report(m: Measurements, findings: list[Finding]) -> str:
         s = m.stream
         line("decode, 1 stream", f"failed: {s.error}" if not s.ok else
              f"{s.output_tokens} tokens at {_fmt(s.decode_tok_s, ' tok/s', 1)}; ITL p50 "
-             f"{_ms(s.itl_p50_s)}, p99 {_ms(s.itl_p99_s)}")
+             f"{ms(s.itl_p50_s)}, p99 {ms(s.itl_p99_s)}")
     a, b = m.pair_first, m.pair_second
     if a is not None and b is not None:
         if not (a.ok and b.ok):

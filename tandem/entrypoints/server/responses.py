@@ -1,0 +1,337 @@
+"""OpenAI's Responses API, stateless (as Ollama serves it): POST /v1/responses.
+
+Nothing is stored: every turn travels in ``input`` (messages, the model's
+``function_call`` items and the caller's ``function_call_output`` items), so
+``previous_response_id`` is refused and ``store`` is only ever false. The
+request becomes a chat (instructions as the system message), runs through the
+same tools, grammar and parser as /v1/chat/completions, and comes back as
+``output`` items: a ``message`` with ``output_text`` and a ``function_call``
+per tool call. Streaming sends the Responses events, each with its
+``sequence_number``, one text or argument delta per generated token.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from tandem.entrypoints.server.auth import require_api_key
+from tandem.entrypoints.server.errors import bad_request, from_validation_error
+from tandem.entrypoints.server.generation import (
+    Generation,
+    make_sampling_params,
+    open_ended_max_tokens,
+    start,
+    to_api_error,
+)
+from tandem.entrypoints.server.protocol import (
+    ChatTool,
+    FunctionDefinition,
+    NamedFunction,
+    NamedToolChoice,
+    ResponsesFunctionCallItem,
+    ResponsesFunctionCallOutputItem,
+    ResponsesMessageItem,
+    ResponsesRequest,
+)
+from tandem.entrypoints.server.state import ServerState
+from tandem.entrypoints.server.streaming import ClosingStreamingResponse, unless_disconnected
+from tandem.entrypoints.server.structured import (
+    ToolPlan,
+    from_text_format,
+    json_arguments,
+    one_constraint,
+    plan_tools,
+    template_messages,
+)
+from tandem.entrypoints.server.tool_parsers import Delta, ToolCallParser
+from tandem.outputs import RequestOutput
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+_ITEMS: dict[str, type[BaseModel]] = {
+    "message": ResponsesMessageItem,
+    "function_call": ResponsesFunctionCallItem,
+    "function_call_output": ResponsesFunctionCallOutputItem,
+}
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+@router.post("/v1/responses")
+async def responses(request: Request):
+    state: ServerState = request.app.state.tandem
+    req = await state.read(request, ResponsesRequest)
+    state.check_model(req.model)
+    if req.previous_response_id is not None:
+        raise bad_request("previous_response_id is not supported: this server stores no "
+                          "responses; send the whole conversation in input",
+                          "previous_response_id")
+    if req.store:
+        raise bad_request("store=true is not supported: this server stores no responses",
+                          "store")
+    plan = plan_tools(_chat_tools(req), _chat_tool_choice(req), req.parallel_tool_calls,
+                      state.tokenizer.chat_template if req.tools else None)
+    constraint = one_constraint(from_text_format(req.text.format if req.text else None),
+                                plan.constraint() if plan else None)
+    messages, tools = template_messages(_messages(req), plan)
+    ids = await state.chat_ids(messages, tools=tools)
+    max_tokens = req.max_output_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"max_output_tokens must be at least 1, got {max_tokens}",
+                          "max_output_tokens")
+    if max_tokens is None:
+        max_tokens = open_ended_max_tokens(state, len(ids))
+    params = make_sampling_params(
+        state, max_tokens, temperature=req.temperature, top_p=req.top_p,
+        structured_outputs=constraint.params if constraint else None)
+    gen = Generation(state, state.new_id("resp"), [ids], [params])
+    view = _View(req, state.card.name if req.model is None else req.model, gen, plan)
+    await start(request, gen, constraint)
+    if req.stream:
+        return ClosingStreamingResponse(view.events(), gen.close,
+                                        media_type="text/event-stream",
+                                        headers={"Cache-Control": "no-cache"})
+    try:
+        outs = await unless_disconnected(request, gen.collect())
+    finally:
+        gen.close()
+    return JSONResponse(view.whole(outs[0][-1]))
+
+
+def _chat_tools(req: ResponsesRequest) -> list[ChatTool]:
+    """The flat Responses tools in chat completions' nested shape."""
+    return [ChatTool(type="function", function=FunctionDefinition(
+        name=t.name, description=t.description, parameters=t.parameters, strict=t.strict))
+        for t in req.tools or []]
+
+
+def _chat_tool_choice(req: ResponsesRequest) -> str | NamedToolChoice | None:
+    choice = req.tool_choice
+    if choice is None or isinstance(choice, str):
+        return choice
+    return NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+
+
+def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """``instructions`` and ``input`` as chat messages (HF's shape, as in chat completions)."""
+    out: list[dict[str, Any]] = []
+    if req.instructions:
+        out.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        return [*out, {"role": "user", "content": req.input}]
+    if not req.input:
+        raise bad_request("input must not be empty", "input")
+    for i, raw in enumerate(req.input):
+        kind = raw.get("type", "message")
+        model = _ITEMS.get(kind)
+        if model is None:
+            raise bad_request(f"input[{i}].type {kind!r} is not supported; send "
+                              f"{', '.join(_ITEMS)} items", f"input[{i}].type")
+        try:
+            item = model.model_validate(raw)
+        except ValidationError as e:
+            err = from_validation_error(e)
+            raise bad_request(f"input[{i}]: {err.message}", f"input[{i}].{err.param}") from None
+        if isinstance(item, ResponsesMessageItem):
+            text = item.content if isinstance(item.content, str) else \
+                "\n".join(p.text for p in item.content)
+            out.append({"role": "system" if item.role == "developer" else item.role,
+                        "content": text})
+        elif isinstance(item, ResponsesFunctionCallItem):
+            call = {"id": item.call_id, "type": "function", "function": {
+                "name": item.name,
+                "arguments": json_arguments(item.arguments, f"input[{i}].arguments")}}
+            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        else:
+            assert isinstance(item, ResponsesFunctionCallOutputItem)
+            out.append({"role": "tool", "content": item.output, "tool_call_id": item.call_id})
+    return out
+
+
+class _View:
+    """One generation as a Response object, whole or as its stream of events."""
+
+    def __init__(self, req: ResponsesRequest, model: str, gen: Generation,
+                 plan: ToolPlan | None) -> None:
+        self.req = req
+        self.model = model
+        self.gen = gen
+        self.created = int(time.time())
+        self.parser: ToolCallParser | None = plan.parser() if plan else None
+        self.output: list[dict[str, Any]] = []
+        self._seq = 0
+        self._text: dict[str, Any] | None = None  # the message item being streamed
+        self._call: dict[str, Any] | None = None  # the function_call item being streamed
+
+    def response(self, status: str, final: RequestOutput | None = None) -> dict[str, Any]:
+        r = self.req
+        fmt = r.text.format.model_dump(by_alias=True, exclude_none=True) \
+            if r.text and r.text.format else {"type": "text"}
+        tool_choice = r.tool_choice if isinstance(r.tool_choice, str) or r.tool_choice is None \
+            else r.tool_choice.model_dump()
+        body: dict[str, Any] = {
+            "id": self.gen.request_id, "object": "response", "created_at": self.created,
+            "status": status, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete"
+            else None,
+            "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
+            "model": self.model, "output": self.output,
+            "parallel_tool_calls": r.parallel_tool_calls, "previous_response_id": None,
+            "store": False, "temperature": self.gen.choices[0].params.temperature,
+            "text": {"format": fmt}, "tool_choice": tool_choice or "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in r.tools or []],
+            "top_p": self.gen.choices[0].params.top_p, "truncation": "disabled",
+            "metadata": r.metadata or {}, "usage": None,
+        }
+        if final is not None:
+            m = final.metrics
+            prompt = len(final.prompt_token_ids)
+            output = m.num_output_tokens if m else len(final.outputs[0].token_ids)
+            body["usage"] = {
+                "input_tokens": prompt,
+                "input_tokens_details": {"cached_tokens": m.num_cached_tokens if m else 0},
+                "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt + output}
+        return body
+
+    @staticmethod
+    def _status(final: RequestOutput) -> str:
+        return "incomplete" if final.finish_reason == "length" else "completed"
+
+    # ----------------------------------------------------------------- whole
+    def whole(self, final: RequestOutput) -> dict[str, Any]:
+        text = final.outputs[0].text
+        if self.parser is None:
+            content, calls = text, []
+        else:
+            self.parser.feed(text)
+            self.parser.finish()
+            content, calls = self.parser.result()
+        status = self._status(final)
+        if content or not calls:
+            self.output.append(_message(_id("msg"), content or "", status))
+        self.output += [_function_call(_id("fc"), c.id, c.name, c.arguments, status)
+                        for c in calls]
+        return self.response(status, final)
+
+    # ------------------------------------------------------------- streaming
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        obj = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+        return f"event: {kind}\ndata: {data}\n\n".encode()
+
+    async def events(self) -> AsyncIterator[bytes]:
+        yield self._event("response.created", response=self.response("in_progress"))
+        yield self._event("response.in_progress", response=self.response("in_progress"))
+        try:
+            async for _, out in self.gen:
+                if self.parser is None:
+                    deltas = [Delta(content=out.delta_text)] if out.delta_text else []
+                else:
+                    deltas = self.parser.feed(out.delta_text)
+                    if out.finished:
+                        deltas += self.parser.finish()
+                for d in deltas:
+                    for event in self._apply(d):
+                        yield event
+                if out.finished:
+                    status = self._status(out)
+                    for event in self._close_items(status):
+                        yield event
+                    yield self._event(f"response.{status}", response=self.response(status, out))
+        except Exception as e:  # after the 200 went out: an error event ends the stream
+            err = to_api_error(e)
+            yield self._event("error", code=str(err.code or err.status), message=err.message,
+                              param=err.param)
+
+    def _apply(self, d: Delta) -> list[bytes]:
+        events: list[bytes] = []
+        if d.content:
+            if self._call is not None:
+                events += self._close_call("completed")
+            if self._text is None:
+                self._text = _message(_id("msg"), "", "in_progress")
+                self._text["content"] = []
+                self.output.append(self._text)
+                events.append(self._event("response.output_item.added",
+                                          output_index=len(self.output) - 1, item=self._text))
+                events.append(self._event(
+                    "response.content_part.added", item_id=self._text["id"],
+                    output_index=len(self.output) - 1, content_index=0,
+                    part=_output_text("")))
+                self._text["content"] = [_output_text("")]
+            self._text["content"][0]["text"] += d.content
+            events.append(self._event("response.output_text.delta", item_id=self._text["id"],
+                                      output_index=len(self.output) - 1, content_index=0,
+                                      delta=d.content, logprobs=[]))
+        elif d.call_id is not None:
+            events += self._close_items("completed")
+            self._call = _function_call(_id("fc"), d.call_id, d.name or "", "", "in_progress")
+            self.output.append(self._call)
+            events.append(self._event("response.output_item.added",
+                                      output_index=len(self.output) - 1, item=self._call))
+        elif d.arguments and self._call is not None:
+            self._call["arguments"] += d.arguments
+            events.append(self._event("response.function_call_arguments.delta",
+                                      item_id=self._call["id"],
+                                      output_index=len(self.output) - 1, delta=d.arguments))
+        return events
+
+    def _close_items(self, status: str) -> list[bytes]:
+        return self._close_text(status) + self._close_call(status)
+
+    def _close_text(self, status: str) -> list[bytes]:
+        item, self._text = self._text, None
+        if item is None:
+            return []
+        index = self.output.index(item)
+        part = item["content"][0]
+        item["status"] = status
+        return [
+            self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                        content_index=0, text=part["text"], logprobs=[]),
+            self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                        content_index=0, part=part),
+            self._event("response.output_item.done", output_index=index, item=item),
+        ]
+
+    def _close_call(self, status: str) -> list[bytes]:
+        item, self._call = self._call, None
+        if item is None:
+            return []
+        index = self.output.index(item)
+        item["status"] = status
+        return [
+            self._event("response.function_call_arguments.done", item_id=item["id"],
+                        output_index=index, name=item["name"], arguments=item["arguments"]),
+            self._event("response.output_item.done", output_index=index, item=item),
+        ]
+
+
+def _output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [_output_text(text)]}
+
+
+def _function_call(item_id: str, call_id: str, name: str, arguments: str, status: str
+                   ) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}

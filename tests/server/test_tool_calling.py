@@ -1,0 +1,254 @@
+"""Tool calling over both APIs, with the official SDKs and the real default model.
+
+SmolLM2's chat template knows no tools, so tandem hands them over as Hermes's
+system prompt and reads Hermes's ``<tool_call>`` back. ``required`` and a named
+function are enforced by a grammar, so the 135M model's calls always parse and
+validate; ``auto`` is the model's own decision (the tests give it a history of
+calls to follow, or force the text with a regex).
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import ollama
+import openai
+import pytest
+
+from tests.server.conftest import API_KEY
+
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20},
+                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME_PARAMS = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}},
+               "required": ["zone"], "additionalProperties": False}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMS,
+                                      "description": "The current weather in a city"}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMS,
+                                      "description": "The current time in a time zone"}},
+]
+PARAMS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+HOT = {"temperature": 1.0, "top_p": 1.0, "extra_body": {"top_k": 0}}
+
+
+@pytest.fixture(scope="module")
+def client(real_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{real_server.url}/v1", api_key=API_KEY, max_retries=0,
+                         timeout=120)
+
+
+def assert_valid_calls(calls, names=("get_weather", "get_time")) -> None:
+    assert calls
+    for call in calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+
+
+def streamed_calls(chunks) -> tuple[dict[int, dict], str | None, str]:
+    """Tool calls accumulated from OpenAI chunks, checking OpenAI's order: a call's first
+    delta has id, type, name and empty arguments; later ones only argument fragments."""
+    calls: dict[int, dict] = {}
+    content = ""
+    finish = None
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        finish = chunk.choices[0].finish_reason or finish
+        for tc in delta.tool_calls or []:
+            if tc.index not in calls:
+                assert tc.id.startswith("call_") and tc.type == "function"
+                assert tc.function.name and tc.function.arguments == ""
+                calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": ""}
+            else:
+                assert tc.id is None and tc.function.name is None
+                calls[tc.index]["arguments"] += tc.function.arguments
+    return calls, finish, content
+
+
+def test_required_yields_a_valid_call_streamed_and_not(client):
+    kwargs = dict(model="smollm2", messages=ASK, tools=TOOLS, tool_choice="required",
+                  parallel_tool_calls=False, max_tokens=120)
+    for seed in range(4):
+        choice = client.chat.completions.create(**kwargs, seed=seed, **HOT).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert len(choice.message.tool_calls) == 1
+        assert_valid_calls(choice.message.tool_calls)
+    calls, finish, content = streamed_calls(client.chat.completions.create(
+        **kwargs, seed=9, stream=True, **HOT))
+    assert finish == "tool_calls" and content == "" and list(calls) == [0]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), PARAMS[calls[0]["name"]])
+
+
+def test_required_with_parallel_calls(client):
+    """Parallel calls (the default): a list of at least one, each call the list completed
+    valid. A sampled 135M model may go on calling until max_tokens cuts the last one."""
+    for seed in range(3):
+        choice = client.chat.completions.create(
+            model="smollm2", messages=ASK, tools=TOOLS, tool_choice="required", seed=seed,
+            max_tokens=150, **HOT).choices[0]
+        calls = choice.message.tool_calls
+        assert calls and choice.message.content is None
+        assert choice.finish_reason in ("tool_calls", "length")
+        complete = calls if choice.finish_reason == "tool_calls" else calls[:-1]
+        for call in complete:
+            jsonschema.validate(json.loads(call.function.arguments),
+                                PARAMS[call.function.name])
+
+
+def test_named_function_yields_that_function_streamed_and_not(client):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    kwargs = dict(model="smollm2", messages=ASK, tools=TOOLS, tool_choice=named,
+                  max_tokens=60)
+    for seed in range(3):
+        r = client.chat.completions.create(**kwargs, seed=seed, **HOT)
+        assert len(r.choices[0].message.tool_calls) == 1
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert_valid_calls(r.choices[0].message.tool_calls, names=("get_time",))
+    # greedy: the stream carries the same call as the whole response
+    whole = client.chat.completions.create(**kwargs, temperature=0).choices[0].message
+    streamed, finish, _ = streamed_calls(client.chat.completions.create(
+        **kwargs, temperature=0, stream=True))
+    assert finish == "tool_calls" and list(streamed) == [0]
+    assert streamed[0]["name"] == "get_time"
+    assert streamed[0]["arguments"] == whole.tool_calls[0].function.arguments
+    # the SDK's own accumulator assembles the same call from the chunks
+    with client.chat.completions.stream(**kwargs, temperature=0) as s:
+        [call] = s.get_final_completion().choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == \
+        ("get_time", whole.tool_calls[0].function.arguments)
+
+
+def test_two_turn_round_trip(client):
+    """call -> the caller runs it -> its result goes back -> the final answer."""
+    first = client.chat.completions.create(
+        model="smollm2", messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = first.choices[0].message.tool_calls[0]
+    messages = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id,
+                 "content": json.dumps({"temperature": 18, "sky": "sunny"})}]
+    final = client.chat.completions.create(model="smollm2", messages=messages, tools=TOOLS,
+                                           tool_choice="none", max_tokens=40, temperature=0)
+    answer = final.choices[0].message
+    assert answer.tool_calls is None and answer.content
+    assert final.choices[0].finish_reason in ("stop", "length")
+    # the call and its result reached the prompt (Hermes's text for this template)
+    ids = httpx.post(f"{client.base_url}".removesuffix("/v1/") + "/tokenize",
+                     headers={"Authorization": f"Bearer {API_KEY}"},
+                     json={"messages": ASK}).json()["count"]
+    assert final.usage.prompt_tokens > first.usage.prompt_tokens > ids
+
+
+def test_auto_parses_hermes_calls_and_leaves_text_as_content(client):
+    """auto: a <tool_call> the model writes (here forced by a regex) is a tool call, with
+    the text before it as content; text without one stays content."""
+    call = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
+    regex = r"Checking\.\n<tool_call>\n" + call.replace("{", r"\{").replace("}", r"\}") \
+        + r"\n</tool_call>"
+    kwargs = dict(model="smollm2", messages=ASK, tools=TOOLS, tool_choice="auto",
+                  max_tokens=80, temperature=0,
+                  extra_body={"structured_outputs": {"regex": regex}})
+    r = client.chat.completions.create(**kwargs)
+    message = r.choices[0].message
+    assert message.content == "Checking.\n" and r.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] \
+        == [("get_weather", {"city": "Oslo", "unit": "celsius"})]
+    calls, finish, content = streamed_calls(client.chat.completions.create(**kwargs,
+                                                                            stream=True))
+    assert content == "Checking.\n" and finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+        [("get_weather", '{"city": "Oslo", "unit": "celsius"}')]
+    plain = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS,
+                                           max_tokens=8, temperature=0)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice", "not among tools"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [{"type": "function"}]}, "tools.0.function", "Field required"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "x"}}]}, "tools.0.type", "function"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+     "tools.0.function.name", "pattern"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
+     "tools.0.function.parameters", "dictionary"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name", "given twice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}],
+      "tool_choice": "required"}, "tools", "cannot be compiled"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tools", "both constrain"),
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages[1].tool_calls[0].function.arguments", "not valid JSON"),
+])
+def test_bad_tools_are_a_400_naming_the_field(real_server, body, param, words):
+    r = httpx.post(f"{real_server.url}/v1/chat/completions", headers=real_server.headers,
+                   json={"messages": ASK, "max_tokens": 4, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+
+
+# ------------------------------------------------------------------ Ollama
+@pytest.fixture(scope="module")
+def ollama_client(real_server) -> ollama.Client:
+    return ollama.Client(host=real_server.url, headers={"Authorization": f"Bearer {API_KEY}"},
+                         timeout=120)
+
+
+def _earlier_call(city: str) -> dict:
+    return {"role": "assistant", "content": "",
+            "tool_calls": [{"function": {"name": "get_weather",
+                                         "arguments": {"city": city, "unit": "celsius"}}}]}
+
+
+# Two earlier turns in which the assistant called get_weather: the model (greedy)
+# follows them and calls it for London too, in Hermes's format.
+HISTORY = [{"role": "user", "content": "Weather in Paris?"}, _earlier_call("Paris"),
+           {"role": "user", "content": "Weather in Rome?"}, _earlier_call("Rome"),
+           {"role": "user", "content": "Weather in London?"}]
+
+
+def test_ollama_tools_streamed_and_not(ollama_client):
+    opts = {"temperature": 0, "num_predict": 60}
+    r = ollama_client.chat(model="smollm2", messages=HISTORY, tools=TOOLS, options=opts)
+    assert r.done_reason == "stop" and r.message.content == ""
+    calls = r.message.tool_calls
+    assert [(c.function.name, c.function.arguments["city"]) for c in calls] == \
+        [("get_weather", "London")]
+    jsonschema.validate(dict(calls[0].function.arguments), WEATHER_PARAMS)
+    parts = list(ollama_client.chat(model="smollm2", messages=HISTORY, tools=TOOLS,
+                                    options=opts, stream=True))
+    with_calls = [p for p in parts if p.message.tool_calls]
+    assert len(with_calls) == 1 and with_calls[0].message.tool_calls == calls  # whole, once
+    assert "".join(p.message.content for p in parts) == ""
+    assert parts[-1].done and parts[-1].eval_count == len(parts)
+
+
+def test_ollama_tool_result_round_trip(ollama_client):
+    messages = [*HISTORY[:1], _earlier_call("Paris"),
+                {"role": "tool", "tool_name": "get_weather", "content": "31 degrees, sunny"}]
+    r = ollama_client.chat(model="smollm2", messages=messages, tools=TOOLS,
+                           options={"temperature": 0, "num_predict": 30})
+    assert r.message.content and not r.message.tool_calls
+    assert r.prompt_eval_count > 0
+
+
+def test_ollama_malformed_tools_are_a_400(real_server):
+    r = httpx.post(f"{real_server.url}/api/chat", headers=real_server.headers, timeout=60,
+                   json={"model": "smollm2", "messages": ASK, "stream": False,
+                         "tools": [{"type": "function", "function": {"description": "x"}}]})
+    assert r.status_code == 400 and "tools.0.function.name" in r.json()["error"], r.text

@@ -1,0 +1,173 @@
+"""The tool-call parser and the tools' way into chat templates, without a server.
+
+The parser must give the same calls and content however the text is split
+into deltas (one token may be one character or a whole tag), and the argument
+fragments it streams must concatenate to exactly the final arguments.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tandem.entrypoints.server.protocol import ChatTool, NamedToolChoice
+from tandem.entrypoints.server.structured import plan_tools, template_messages
+from tandem.entrypoints.server.tool_parsers import ToolCallParser, template_family
+from tandem.model.gguf import default_model_path, gguf_to_hf_dir
+from tandem.tokenizer import Tokenizer
+
+KNOWN = {"get_weather", "f"}
+HERMES = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": '
+          '{"city": "Pa\\"ris}", "n": [1, {"a": 2}]}}\n</tool_call>\n<tool_call>'
+          '[{"arguments": {"x": 1}, "name": "f"}]</tool_call>')
+
+
+def run(mode: str, text: str, step: int, name: str | None = None):
+    """Feed ``text`` in pieces of ``step`` characters; (content, {index: (name, args)}, parser)."""
+    p = ToolCallParser(mode, KNOWN, name)  # type: ignore[arg-type]
+    deltas = []
+    for i in range(0, len(text), step):
+        deltas += p.feed(text[i:i + step])
+    deltas += p.finish()
+    content = "".join(d.content for d in deltas)
+    calls: dict[int, list] = {}
+    for d in deltas:
+        if d.call_id is not None:
+            assert d.index not in calls and d.arguments == ""  # the header comes first, alone
+            calls[d.index] = [d.name, ""]
+        elif d.index is not None:
+            calls[d.index][1] += d.arguments
+    return content, {i: tuple(c) for i, c in calls.items()}, p
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 5, 11, 1000])
+def test_hermes_any_split(step):
+    content, calls, p = run("hermes", HERMES, step)
+    assert content == "Let me check. \n"
+    assert calls == {0: ("get_weather", '{"city": "Pa\\"ris}", "n": [1, {"a": 2}]}'),
+                     1: ("f", '{"x": 1}')}
+    text, found = p.result()
+    assert text == "Let me check. \n" and [c.name for c in found] == ["get_weather", "f"]
+    assert [c.arguments for c in found] == [calls[0][1], calls[1][1]]
+    assert all(c.id.startswith("call_") and len(c.id) == 29 for c in found)
+
+
+@pytest.mark.parametrize("text", ["plain text <tool", "a < b and <tool_cal", "no tags at all"])
+def test_hermes_text_without_a_call_is_content(text):
+    for step in (1, 4, 100):
+        content, calls, p = run("hermes", text, step)
+        assert content == text and calls == {} and p.result() == (text, [])
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',  # not a given tool
+    '<tool_call>{"name": "f", "arguments": 5}</tool_call>',  # arguments not an object
+    '<tool_call>{"name": "f", "arguments": {"a": 1}',  # cut short
+    '<tool_call>{"arguments": {}}</tool_call>',  # no name
+    "<tool_call>not json</tool_call>",
+])
+def test_a_broken_call_makes_the_whole_response_content(text):
+    _, _, p = run("hermes", text, 3)
+    assert p.result() == (text, [])
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_llama3_json(step):
+    text = '{"name": "f", "parameters": {"q": true}}; {"name": "get_weather", "parameters": {}}'
+    content, calls, p = run("llama3_json", text, step)
+    assert content == "" and calls == {0: ("f", '{"q": true}'), 1: ("get_weather", "{}")}
+    assert p.result()[0] is None
+    content, calls, p = run("llama3_json", 'Hello {"name": "f"}', step)
+    assert content == 'Hello {"name": "f"}' and calls == {}
+
+
+@pytest.mark.parametrize("step", [1, 6, 1000])
+def test_array_and_arguments_modes(step):
+    text = '[{"name": "f", "arguments": {"a": "]}"}}, {"name": "get_weather", "arguments": {}}]'
+    content, calls, p = run("array", text, step)
+    assert calls == {0: ("f", '{"a": "]}"}'), 1: ("get_weather", "{}")} and p.valid
+    _, _, p = run("array", text + " trailing", step)
+    assert not p.valid
+    # cut by max_tokens: a forced call is still a call, as streamed
+    _, calls, p = run("array", text[:-4], step)
+    assert calls == {0: ("f", '{"a": "]}"}'), 1: ("get_weather", "")}
+    assert [(c.name, c.complete) for c in p.result()[1]] == [("f", True), ("get_weather", False)]
+    content, calls, p = run("arguments", '{"city": "Oslo"}', step, name="get_weather")
+    assert calls == {0: ("get_weather", '{"city": "Oslo"}')} and content == ""
+
+
+def test_template_family():
+    assert template_family("{{ '<tool_call>' }}{% if tools %}") == "hermes"
+    assert template_family("{{ '<|python_tag|>' }}{% if tools %}ipython") == "llama3_json"
+    assert template_family(None) == "hermes"
+
+
+def _tools() -> list[ChatTool]:
+    return [ChatTool.model_validate({"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object"}}})]
+
+
+def test_a_template_without_tools_gets_hermes_text():
+    plan = plan_tools(_tools(), "auto", True, "{{ messages }}")
+    assert plan is not None and not plan.native and plan.parser().mode == "hermes"
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}},
+            {"id": "c2", "type": "function", "function": {"name": "f", "arguments": {"a": 2}}}]},
+        {"role": "tool", "content": "one", "tool_call_id": "c1"},
+        {"role": "tool", "content": "two", "tool_call_id": "c2"},
+    ]
+    out, tools = template_messages(messages, plan)
+    assert tools is None
+    assert out[0]["role"] == "system" and out[0]["content"].startswith("Be brief.\n\n# Tools")
+    assert json.dumps(plan.tools[0]) in out[0]["content"]
+    assert out[2] == {"role": "assistant", "content":
+                      '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+                      '<tool_call>\n{"name": "f", "arguments": {"a": 2}}\n</tool_call>'}
+    assert out[3:] == [{"role": "user", "content": "<tool_response>\none\n</tool_response>\n"
+                                                   "<tool_response>\ntwo\n</tool_response>"}]
+
+
+def test_a_template_with_tools_gets_them_as_they_are():
+    plan = plan_tools(_tools(), NamedToolChoice.model_validate(
+        {"type": "function", "function": {"name": "f"}}), False,
+        "{% for t in tools %}{% endfor %}")
+    messages = [{"role": "user", "content": "hi"}]
+    out, tools = template_messages(messages, plan)
+    assert out == messages and tools == plan.tools
+    assert plan.constraint().params.json == {"type": "object"}
+
+
+def test_tools_and_calls_reach_a_template_that_renders_them():
+    """A tools-aware template (Qwen2.5's shape, cut down) gets the tools and the calls as
+    objects through Tokenizer.render_chat, the path the server's chat_ids takes."""
+    tok = Tokenizer.from_dir(gguf_to_hf_dir(default_model_path()))
+    tok._hf.chat_template = (
+        "{% for t in tools %}<tools>{{ t.function.name }}</tools>{% endfor %}"
+        "{% for m in messages %}[{{ m.role }}]{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.arguments | tojson }}"
+        "</tool_call>{% endfor %}{% endfor %}")
+    plan = plan_tools(_tools(), "auto", True, tok.chat_template)
+    assert plan is not None and plan.native and plan.family == "hermes"
+    messages, tools = template_messages([
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]},
+        {"role": "tool", "content": "done", "tool_call_id": "c1"}], plan)
+    text = tok.render_chat(messages, add_generation_prompt=False, tools=tools)
+    assert text == '<tools>f</tools>[user]hi[assistant]<tool_call>{"a": 1}</tool_call>[tool]done'
+
+
+@pytest.mark.parametrize("mode,text", [
+    ("hermes", 'A <tool_call>{"nme": "f"} oops</tool_call> and on <b>'),
+    ("hermes", "<tool_call>not json, just <tool_call"),
+    ("llama3_json", '{"answer": 42, "why": "json content"} trailing'),
+    ("llama3_json", '{"name": 5}'),
+])
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_stream_never_drops_text_that_is_not_a_call(mode, text, step):
+    content, calls, p = run(mode, text, step)
+    assert calls == {} and content == text and p.result() == (text, [])
