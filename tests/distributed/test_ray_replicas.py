@@ -54,17 +54,6 @@ def test_ollama_api_streams_through_a_replica(cluster):
     assert r.status_code == 200 and lines[-1]["done"] and lines[-1]["eval_count"] == 6
 
 
-def test_bad_input_is_a_400_streamed_or_not(cluster):
-    """The replica validates in another process; the server waits for its verdict
-    before the first response byte, so a streaming request gets a 400 too."""
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}
-    for stream in (False, True):
-        r = httpx.post(f"{cluster.url}/v1/chat/completions", timeout=120,
-                       json={**body, "stream": stream})
-        assert r.status_code == 400, (stream, r.text)
-        assert "context length" in r.json()["error"]["message"]
-
-
 def test_idle_cluster_returns_every_kv_block(cluster):
     cluster.chat(SYSTEM, "Can I rent a bike?", max_tokens=4)
     names = set(cluster.client.names)
@@ -151,6 +140,17 @@ def test_dead_replica_ends_streams_cleanly_retries_queued_and_comes_back(cluster
     cluster.wait_for(lambda: client.router.replicas[i].healthy, f"{owner} restarted",
                      timeout=120)
     assert owner in cluster.metrics("vllm:kv_cache_usage_perc")
+
+
+def test_bad_input_is_a_400_streamed_or_not(cluster):
+    """The replica validates in another process; the server waits for its verdict
+    before the first response byte, so a streaming request gets a 400 too."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}
+    for stream in (False, True):
+        r = httpx.post(f"{cluster.url}/v1/chat/completions", timeout=120,
+                       json={**body, "stream": stream})
+        assert r.status_code == 400, (stream, r.text)
+        assert "context length" in r.json()["error"]["message"]
 
 
 def test_a_cluster_too_small_is_a_clear_error(ray_cluster):
