@@ -129,13 +129,17 @@ class _Scan:
             if not self.stack:
                 self.done = True
 
-    def _str_char(self, ch: str) -> None:
+    def _string_step(self, ch: str) -> None:
+        """One character inside a JSON string: an escape, or the closing quote."""
         if self.esc:
             self.esc = False
         elif ch == "\\":
             self.esc = True
         elif ch == '"':
             self.in_str = False
+
+    def _str_char(self, ch: str) -> None:
+        self._string_step(ch)
         if self.key_raw is not None:
             self.key_raw += ch
             if not self.in_str:
@@ -195,12 +199,7 @@ class _Scan:
             return
         self._emit_args(ch)
         if self.in_str:
-            if self.esc:
-                self.esc = False
-            elif ch == "\\":
-                self.esc = True
-            elif ch == '"':
-                self.in_str = False
+            self._string_step(ch)
         elif ch == '"':
             self.in_str = True
         elif ch in "[{":
