@@ -111,6 +111,7 @@ class StructuredOutputManager:
         self.eos_token_ids = sorted(eos_token_ids)
         self._lock = threading.Lock()
         self._ll_tokenizer = None
+        self._ll_json_tokenizer = None
         self._grammars: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._executor = None  # llguidance.LLExecutor, with the bitmask buffer
         self._bitmask: torch.Tensor | None = None
@@ -139,6 +140,10 @@ class StructuredOutputManager:
             backend.no_truncation()
             self._ll_tokenizer = llg.LLTokenizer(
                 backend.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+            # JSON's own slices (token sets precomputed for string bodies and the
+            # like): measured below in benchmarks/structured_outputs.py.
+            self._ll_json_tokenizer = self._ll_tokenizer.with_slices(
+                llg.LLTokenizer.json_slices())
         try:
             if field == "json":
                 grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
@@ -153,7 +158,9 @@ class StructuredOutputManager:
                 grammar = llg.grammar_from("grammar", text)
         except ValueError as e:
             raise ValueError(f"structured_outputs.{field} cannot be compiled: {e}") from None
-        matcher = llg.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+        tokenizer = self._ll_json_tokenizer if field in ("json", "json_object") \
+            else self._ll_tokenizer
+        matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(
                 f"structured_outputs.{field} cannot be compiled: {matcher.get_error().strip()}")
