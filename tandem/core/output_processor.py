@@ -39,6 +39,7 @@ class EngineCoreOutput:
     stop_reason: int | None  # the stop token id that finished it, if one did
     num_output_tokens: int
     time: float
+    new_token_is_text: bool = True  # False for the EOS or stop id that ended it
 
 
 def process_output(out: EngineCoreOutput) -> tuple[RequestOutput | None, bool]:
@@ -53,8 +54,7 @@ def process_output(out: EngineCoreOutput) -> tuple[RequestOutput | None, bool]:
     if detok is not None and status is not RequestStatus.FINISHED_ABORTED:
         if detok.stop_reason is not None:
             return None, False
-        # The token that hit EOS or a stop token id is not text.
-        if out.new_token_ids and status is not RequestStatus.FINISHED_STOPPED:
+        if out.new_token_ids and out.new_token_is_text:
             matched = detok.add_token(out.new_token_ids[0])  # honours min_tokens itself
             if matched is not None:
                 status, stop_reason, stopped_by_string = (

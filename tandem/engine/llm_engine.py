@@ -430,11 +430,6 @@ class LLMEngine:
         logprobs = result.logprobs or [None] * len(result.requests)
         for req, tok, lp in zip(result.requests, result.sampled_token_ids, logprobs):
             outputs.append(self._append_token(req, tok, lp, now))
-            grammar = req.structured_output_request
-            if grammar is not None and grammar.terminated and not req.status.finished:
-                # The grammar is complete after a text token: the request ends here,
-                # that token's text kept (as a stop string found later ends one).
-                outputs.append(self.abort_request(req.request_id, RequestStatus.FINISHED_STOPPED))
         self.num_generation_tokens_total += len(result.requests)
         return outputs
 
@@ -452,22 +447,24 @@ class LLMEngine:
         p = req.sampling_params
         n_out = req.num_output_tokens
         status = stop_id = None
+        text = True  # the token that hit EOS or a stop id is not text
         grammar = req.structured_output_request
-        complete = grammar is not None and grammar.accept(tok)  # nothing may follow
         if n_out >= p.min_tokens:
             if tok in self.eos_token_ids and not p.ignore_eos:
-                status = RequestStatus.FINISHED_STOPPED
+                status, text = RequestStatus.FINISHED_STOPPED, False
             elif tok in p.stop_token_ids:
-                status, stop_id = RequestStatus.FINISHED_STOPPED, tok
-        if complete and status is None and tok in self.eos_token_ids:
-            status = RequestStatus.FINISHED_STOPPED  # the grammar ended, min_tokens or not
-        if status is None and n_out >= req.max_tokens and not complete:
+                status, stop_id, text = RequestStatus.FINISHED_STOPPED, tok, False
+        if grammar is not None and grammar.accept(tok) and status is None:
+            # The grammar is complete (nothing may follow), min_tokens or not; the
+            # token that completed it is text unless it is an EOS the grammar took.
+            status, text = RequestStatus.FINISHED_STOPPED, tok not in self.eos_token_ids
+        if status is None and n_out >= req.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             self._finish(req, status)
             self.requests.pop(req.request_id, None)
             t.finished = now
-        return EngineCoreOutput(req, [tok], logprobs, status, stop_id, n_out, now)
+        return EngineCoreOutput(req, [tok], logprobs, status, stop_id, n_out, now, text)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         """The request leaves the scheduler, its blocks and its block-table row."""

@@ -287,8 +287,10 @@ class Sampler(torch.nn.Module):
 
     @torch.inference_mode()
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """The logits are the step's own: masks and penalties go into them in place
+        (a [32, 49k] copy saved per step) unless logprobs need the raw values."""
         raw = logits
-        logits = self._process_logits(logits, meta)
+        logits = self._process_logits(logits, meta, keep_raw=meta.max_num_logprobs is not None)
         if meta.all_greedy:
             sampled = blocked_argmax(logits)
         elif meta.all_random:
@@ -306,13 +308,16 @@ class Sampler(torch.nn.Module):
         return out
 
     @staticmethod
-    def _process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """min_tokens and grammar masks, then penalties; copies the logits only
-        when one applies."""
+    def _process_logits(logits: torch.Tensor, meta: SamplingMetadata,
+                        keep_raw: bool = True) -> torch.Tensor:
+        """min_tokens and grammar masks, then penalties, in place: the step's logits
+        are its own, copied only when the raw ones are still needed (logprobs)."""
+        raw = logits
         logits = logits.float()
         if meta.min_tokens_mask is None and meta.no_penalties and meta.grammar_mask is None:
             return logits
-        logits = logits.clone()
+        if keep_raw and logits is raw:
+            logits = logits.clone()
         if meta.min_tokens_mask is not None:
             logits[meta.min_tokens_mask] = -math.inf
         if meta.grammar_mask is not None:
