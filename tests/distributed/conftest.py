@@ -58,9 +58,21 @@ class Cluster:
                 raise AssertionError(f"{what}: not reached in {timeout:g} s")
             time.sleep(0.1)
 
+    def settled(self, name: str) -> dict[str, float]:
+        """``metrics(name)`` once two reads a poll period apart agree: replica stats
+        reach /metrics up to 0.25 s late, so an earlier request's count may still
+        be on its way (it made the wrong replica look like this request's)."""
+        last = self.metrics(name)
+        while True:
+            time.sleep(0.3)
+            now = self.metrics(name)
+            if now == last:
+                return now
+            last = now
+
     def served_by(self, send: Callable[[], dict]) -> tuple[str, dict]:
         """(the replica that prefilled the request ``send`` makes, its response)."""
-        before = self.metrics("vllm:prompt_tokens_total")
+        before = self.settled("vllm:prompt_tokens_total")
         body = send()
         changed: list[str] = []
 
