@@ -173,8 +173,8 @@ class ModelRunner:
         masks = None if self.structured_output is None else self.structured_output.masks(
             sample_reqs)
         if masks is not None:
-            rows, banned = masks
-            smeta.grammar_mask = (rows.to(self.device), banned.to(self.device))
+            rows, bitmask = masks
+            smeta.grammar_mask = (rows.to(self.device), bitmask.to(self.device))
         if argmax is not None and smeta.argmax_only:
             return ModelRunnerOutput(sample_reqs, argmax.tolist())  # the step's one host sync
         so = self.sampler(logits, smeta)

@@ -39,7 +39,9 @@ from itertools import chain
 import numpy as np
 import torch
 
+from tandem.kernels import custom_ops
 from tandem.sampling_params import _SAMPLING_EPS, SamplingParams
+from tandem.worker.structured_output import apply_token_bitmask_
 
 # Block size of the blocked argmax and of the hierarchical race: 49,152 = 192 x 256,
 # so a row costs 192 block noise draws + 256 in-block draws.
@@ -54,6 +56,8 @@ TOP_P_WIDER = 4096
 # Exp(1) draws can be exactly 0 on CPU; p / 0 would be inf (or nan for a masked
 # token), so clamp the noise away from zero (bias ~1e-38, i.e. none).
 _TINY = torch.finfo(torch.float32).tiny
+# Lowest input the race's exp sees (see exp_weights): e^-87 is a normal float.
+EXP_FLOOR = -87.0
 
 
 @dataclass
@@ -100,8 +104,9 @@ class SamplingMetadata:
     # Logprobs: K = the largest requested count; rows that asked (None: all).
     max_num_logprobs: int | None = None
     logprob_rows: torch.Tensor | None = None
-    # Structured outputs: (constrained rows, banned [rows, V] uint8, 1 = banned)
-    # from the grammar; None when no row is constrained (then it costs nothing).
+    # Structured outputs: (constrained rows, the grammar's allowed-token bitmask
+    # [rows, ceil(V / 32)] int32, see apply_token_bitmask_); None when no row is
+    # constrained (then it costs nothing).
     grammar_mask: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -321,12 +326,7 @@ class Sampler(torch.nn.Module):
         if meta.min_tokens_mask is not None:
             logits[meta.min_tokens_mask] = -math.inf
         if meta.grammar_mask is not None:
-            # A 0 / -inf bias (0 * -inf is nan, turned to 0) added to the rows:
-            # 0.15 ms for [16, 49k] here, where masked_fill_ with a bool mask
-            # took 1.4 ms.
-            rows, banned = meta.grammar_mask
-            bias = banned.float().mul_(-math.inf).nan_to_num_(nan=0.0, neginf=-math.inf)
-            logits.index_add_(0, rows, bias)
+            apply_token_bitmask_(logits, *meta.grammar_mask)
         if meta.repetition_pairs is not None:
             # vLLM: divide positive logits, multiply negative ones (prompt + output).
             rp = meta.repetition_values
@@ -341,15 +341,14 @@ class Sampler(torch.nn.Module):
         """Temperature, top-k, top-p, min-p, then the hierarchical exponential race.
 
         Everything is decided in raw-logit space (temperature is monotone), so
-        the only full-vocabulary passes are amax, one fused exp of
-        (logits - max) / T, the threshold mask and the race's block sums: the
+        the only full-vocabulary passes are exp_weights' (one kernel on CPU),
+        the threshold mask and the race's block sums: the
         top-p normaliser is the sum of those same weights, not a second
         logsumexp pass.
         """
         assert meta.temperature is not None
         temp = meta.temperature.unsqueeze(1)
-        row_max = logits.amax(dim=-1, keepdim=True)
-        weights = (logits - row_max).div_(temp).exp_()  # unnormalised probabilities
+        weights, row_max = exp_weights(logits, meta)
         thr = None  # per row: drop logits below it
         if meta.top_k is not None or meta.top_p is not None:
             thr = _top_k_top_p_threshold(logits, weights, row_max, meta)
@@ -360,6 +359,29 @@ class Sampler(torch.nn.Module):
         if thr is not None:
             weights.masked_fill_(logits < thr.unsqueeze(1), 0.0)
         return _hierarchical_race(weights, meta.generators)
+
+
+def exp_weights(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exp((logits - row_max) / T) per random row, row_max [R, 1]): the race's
+    unnormalised probabilities, exactly 0 for masked (-inf) logits.
+
+    The exponent is floored at EXP_FLOOR: on this CPU torch's exp of an input in
+    [-104, -87.3] (a denormal result) cost 35x a normal one, below that 12x, and
+    of -inf 3x; a temperature of 0.2 puts most of a vocabulary there (batch 64:
+    19.6 -> 3.0 ms a step in benchmarks/sampler_bench.py). So a token more than
+    87 nats below the best keeps e^-87 (~1e-38) instead of less. On CPU one
+    kernel does it in two passes per row (tandem/kernels/csrc/sampling.h), where
+    torch takes five plus two to zero the masked entries again.
+    """
+    assert meta.temperature is not None
+    if logits.device.type == "cpu" and logits.is_contiguous() and custom_ops.available():
+        return torch.ops.tandem.exp_weights(logits, meta.temperature)
+    row_max = logits.amax(dim=-1, keepdim=True)
+    weights = (logits - row_max).div_(meta.temperature.unsqueeze(1))
+    weights = weights.clamp_(min=EXP_FLOOR).exp_()
+    if meta.min_tokens_mask is not None or meta.grammar_mask is not None:
+        weights.masked_fill_(logits == -math.inf, 0.0)
+    return weights, row_max
 
 
 def blocked_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -458,7 +480,7 @@ def _top_k_top_p_threshold(
 
     def cand_weights(vals: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         m, t = (row_max, temp) if rows is None else (row_max[rows], temp[rows])
-        return (vals - m).div_(t.unsqueeze(1)).exp_()
+        return (vals - m).div_(t.unsqueeze(1)).clamp_(min=EXP_FLOOR).exp_()
 
     p_on = top_p < 1.0
     cw = cand_weights(vals, None)

@@ -5,8 +5,8 @@ with other jobs): SmolLM2's 49,152-token vocabulary, a five-field JSON schema,
 32 matchers walking valid documents. Filling one row's mask cost 13-17 µs per
 step with llguidance 1.9 and 5-12 µs with xgrammar 0.2.9 (advancing a matcher:
 ~2 µs and ~1 µs): for 32 rows ~0.5 ms against ~0.2-0.4 ms, about 1% of a
-batch-32 decode step (inside a run, after the forward has left the caches
-cold, a llguidance row costs 85-117 µs). What decides is the weight:
+batch-32 decode step (inside a run, on the engine thread, a llguidance row
+costs ~22 µs). What decides is the weight:
 llguidance is one 3 MB wheel with no dependencies, while xgrammar brings
 apache-tvm-ffi and triton (a 286 MB wheel) for kernels a CPU engine never
 runs. It is the ``structured`` extra, imported lazily:
@@ -22,25 +22,26 @@ constrained request gets a ValueError naming the extra.
   and samples nothing until the recompute reaches its end, and a chunked
   prefill samples nothing until its last chunk, so neither needs a rollback.
 * Per step the runner fills the constrained rows' masks once the forward pass
-  is issued (on a GPU it overlaps the kernels). Filling them in a worker
-  thread during a CPU forward was measured (benchmarks/structured_outputs.py,
-  32 streams, half constrained): 0.89-0.92x of unconstrained tok/s against
-  0.89-0.94x in-line, with 1 or 2 torch threads on 2 cores; the thread slowed
-  the forward as much as it hid, so the fill stays in-line.
+  is issued (on a GPU it overlaps the kernels), on the engine thread: any
+  other thread on a 2-core CPU slows the forward as much as it hides (a
+  worker thread during the forward measured no gain; llguidance's own
+  executor pool cost ~1.5 ms of forward per step). The sampler applies the
+  packed bitmask as it comes (``apply_token_bitmask_``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from copy import copy
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
+from tandem.kernels import custom_ops
 from tandem.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -113,7 +114,6 @@ class StructuredOutputManager:
         self._ll_tokenizer = None
         self._ll_json_tokenizer = None
         self._grammars: OrderedDict[tuple[str, str], object] = OrderedDict()
-        self._executor = None  # llguidance.LLExecutor, with the bitmask buffer
         self._bitmask: torch.Tensor | None = None
 
     # ------------------------------------------------------------ compile
@@ -168,28 +168,49 @@ class StructuredOutputManager:
 
     # ---------------------------------------------------------- per step
     def masks(self, reqs: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(row indices, banned [rows, vocab] uint8) of this step's constrained
-        rows for ``SamplingMetadata.grammar_mask``; None when no row is."""
+        """(row indices, allowed-token bitmask [rows, words] int32) of this step's
+        constrained rows for ``SamplingMetadata.grammar_mask``; None when no row is.
+
+        The bitmask is a view of a buffer the next call overwrites: it is meant
+        for this step's sampler only.
+        """
         rows = [i for i, r in enumerate(reqs) if r.structured_output_request is not None]
         if not rows:
             return None
-        return self._fill(rows, [(reqs[i].structured_output_request.matcher, j)
-                                 for j, i in enumerate(rows)])
-
-    def _fill(self, rows: list[int], matchers: list) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(rows)
         if self._bitmask is None or self._bitmask.shape[0] < n:
-            llg = _import_llguidance()
-            # One thread: a row costs 14-70 µs, less than waking a pool would.
-            self._executor = llg.LLExecutor(1)
             self._bitmask = torch.empty(max(n, 64), -(-self.vocab_size // 32), dtype=torch.int32)
         words = self._bitmask[:n]
-        self._executor.unsafe_compute_mask_ptr(
-            matchers, words.data_ptr(), words.shape[1] * 4, n)
-        # Bit t of a row's little-endian words: token t allowed. Inverted, then
-        # unpacked LSB first: 1 = banned (numpy, single-threaded: ~3 µs a row).
-        banned = np.unpackbits((~words).numpy().view(np.uint8), axis=1, bitorder="little")
-        return torch.tensor(rows, dtype=torch.long), torch.from_numpy(banned[:, : self.vocab_size])
+        # Each matcher fills its row on this thread. llguidance's LLExecutor (a
+        # rayon pool, even of one thread) cost 65 µs a row in the run against 22
+        # here, and its worker, spinning on a 2-core machine, slowed the next
+        # forward by ~1.5 ms (benchmarks/structured_outputs.py: 0.91-0.92x -> ~1x).
+        nbytes = words.shape[1] * 4
+        base = words.data_ptr()
+        for j, i in enumerate(rows):
+            reqs[i].structured_output_request.matcher.unsafe_compute_mask_ptr(
+                base + j * nbytes, nbytes)
+        return torch.tensor(rows, dtype=torch.long), words
+
+
+def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor,
+                         value: float = -math.inf) -> None:
+    """Set ``logits[rows[r], t] = value`` for every token t the grammar bans.
+
+    ``bitmask`` is llguidance's: int32 words, bit t % 32 of word t // 32 set when
+    token t is allowed; tokens past its last word are banned. On CPU the packed
+    words are read in place by a kernel (tandem/kernels/csrc/token_bitmask.h);
+    elsewhere, or without the kernels, they are unpacked with torch ops.
+    """
+    if logits.device.type == "cpu" and custom_ops.available():
+        torch.ops.tandem.apply_token_bitmask_(logits, rows, bitmask, value)
+        return
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    logits[rows] = logits[rows].masked_fill_(~allowed, value)
 
 
 def _import_llguidance():

@@ -362,6 +362,31 @@ def test_min_tokens_masks_every_eos_and_stop_token_ids():
     assert out[3] == 7
 
 
+def test_masked_tokens_weigh_exactly_zero_at_any_temperature(monkeypatch):
+    """Logits are floored before exp (its denormal results are slow), so masked
+    -inf entries must be zeroed again: a min_tokens EOS and a grammar-banned
+    token stay at probability exactly 0 at low temperature, where most of the
+    row sits below the floor."""
+    seen = []
+    race = sampler_mod._hierarchical_race
+    monkeypatch.setattr(sampler_mod, "_hierarchical_race",
+                        lambda w, g: seen.append(w.clone()) or race(w, g))
+    v = 3 * BLOCK
+    logits = torch.randn(2, v) * 20
+    logits[:, EOS] = 500.0  # the best logit in both rows, and masked in both
+    params = [SamplingParams(temperature=0.05, min_tokens=1),
+              SamplingParams(temperature=0.05, top_p=0.9)]
+    meta = make_meta(params, logits.clone())
+    allow = torch.ones(1, v // 32, dtype=torch.int32) * -1  # every bit set: all allowed
+    allow[0, 0] &= ~(1 << EOS)
+    meta.grammar_mask = (torch.tensor([1]), allow)
+    out = Sampler()(logits.clone(), meta).sampled_token_ids.tolist()
+    weights = seen[0]
+    assert (weights[:, EOS] == 0).all() and EOS not in out
+    assert (weights.amax(-1) == 1).all()  # the best allowed token
+    assert (weights[weights > 0] >= math.exp(sampler_mod.EXP_FLOOR) * 0.99).all()
+
+
 # -- logprobs ---------------------------------------------------------------------
 
 
@@ -417,3 +442,22 @@ def test_sampling_params_validation():
     p = SamplingParams(stop="x", stop_token_ids=None, max_tokens=None, temperature=0, top_k=5)
     assert p.stop == ["x"] and p.stop_token_ids == [] and p.greedy and p.top_k == 0
     assert not SamplingParams().greedy
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.05])
+def test_exp_weights_kernel_matches_torch_path(temperature, monkeypatch):
+    """The CPU kernel and the torch path give the same race weights (float
+    rounding apart), masked entries exactly 0, the same row maxima."""
+    if not sampler_mod.custom_ops.available():
+        pytest.skip("tandem's CPU kernels are not built")
+    torch.manual_seed(5)
+    logits = torch.randn(3, 1000 + 7) * 15
+    logits[0, ::3] = -math.inf
+    params = [SamplingParams(temperature=temperature, min_tokens=1)] * 3
+    meta = make_meta(params, logits)
+    w_kernel, m_kernel = sampler_mod.exp_weights(logits, meta)
+    monkeypatch.setattr(sampler_mod.custom_ops, "available", lambda: False)
+    w_torch, m_torch = sampler_mod.exp_weights(logits, meta)
+    assert torch.equal(m_kernel, m_torch)
+    assert torch.equal(w_kernel == 0, w_torch == 0) and bool((w_kernel[0, ::3] == 0).all())
+    torch.testing.assert_close(w_kernel, w_torch, rtol=1e-5, atol=0)

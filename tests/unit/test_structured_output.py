@@ -7,17 +7,23 @@ from __future__ import annotations
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("llguidance")
 
+from tandem.kernels import custom_ops  # noqa: E402
 from tandem.model.loader import resolve_model  # noqa: E402
 from tandem.sampling_params import SamplingParams  # noqa: E402
 from tandem.sampling_params import StructuredOutputsParams as SO  # noqa: E402
 from tandem.tokenizer import Tokenizer  # noqa: E402
 from tandem.worker.sampler import Sampler, SamplingMetadata  # noqa: E402
-from tandem.worker.structured_output import StructuredOutputManager, spec_key  # noqa: E402
+from tandem.worker.structured_output import (  # noqa: E402
+    StructuredOutputManager,
+    apply_token_bitmask_,
+    spec_key,
+)
 
 V = 49152
 EOS = (0, 2)  # SmolLM2's <|endoftext|> and <|im_end|>
@@ -39,9 +45,46 @@ def req(grammar):
 
 
 def allowed(mask, row: int) -> set[int]:
-    rows, banned = mask
-    assert banned.shape == (len(rows), V) and banned.dtype == torch.uint8
-    return set((banned[row] == 0).nonzero().squeeze(1).tolist())
+    rows, bitmask = mask
+    assert bitmask.shape == (len(rows), -(-V // 32)) and bitmask.dtype == torch.int32
+    bits = np.unpackbits(bitmask[row].numpy().view(np.uint8), bitorder="little")[:V]
+    return set(np.flatnonzero(bits).tolist())
+
+
+def pack(ok: torch.Tensor) -> torch.Tensor:
+    """[R, V] bool (True = allowed) -> llguidance's int32 bitmask [R, ceil(V / 32)]."""
+    words = -(-ok.shape[1] // 32)
+    padded = torch.zeros(ok.shape[0], words * 32, dtype=torch.uint8)
+    padded[:, : ok.shape[1]] = ok
+    packed = np.packbits(padded.numpy(), axis=1, bitorder="little")
+    return torch.from_numpy(packed.copy()).view(torch.int32)
+
+
+@pytest.mark.parametrize("vocab,words_short", [(1000, 0), (1024, 0), (1000, 2), (77, 0)])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_apply_token_bitmask_sets_exactly_the_banned_entries(vocab, words_short, kernel,
+                                                             monkeypatch):
+    """The CPU kernel and the torch path agree with a plain reading of the bits:
+    a banned token (bit 0) and any token past the mask's last word get the value,
+    rows not listed are untouched."""
+    if kernel and not custom_ops.available():
+        pytest.skip("tandem's CPU kernels are not built")
+    if not kernel:
+        monkeypatch.setattr(custom_ops, "available", lambda: False)
+    g = torch.Generator().manual_seed(vocab + words_short)
+    ok = torch.rand(2, vocab, generator=g) < 0.3
+    ok[:, :64] = True  # whole all-allowed words, which the kernel skips
+    bitmask = pack(ok)
+    if words_short:
+        bitmask = bitmask[:, :-words_short].contiguous()
+        ok[:, bitmask.shape[1] * 32:] = False
+    logits = torch.randn(4, vocab, generator=g)
+    out = logits.clone()
+    apply_token_bitmask_(out, torch.tensor([3, 1]), bitmask, -5.0)
+    want = logits.clone()
+    want[3][~ok[0]] = -5.0
+    want[1][~ok[1]] = -5.0
+    assert torch.equal(out, want)
 
 
 def test_one_compile_per_spec_and_keys_keep_property_order(manager):
@@ -113,8 +156,9 @@ def test_sampler_applies_the_grammar_mask_to_greedy_and_random_rows():
     torch.manual_seed(0)
     logits = torch.randn(3, 1000)
     ok = [7, 123, 999]
-    banned = torch.ones(2, 1000, dtype=torch.uint8)
-    banned[:, ok] = 0
+    allow = torch.zeros(2, 1000, dtype=torch.bool)
+    allow[:, ok] = True
+    banned = pack(allow)
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0),
               SamplingParams(temperature=1.0)]
     greedy = SamplingMetadata.build(params[:2], None, [[]] * 2, [[]] * 2, [], 1000)

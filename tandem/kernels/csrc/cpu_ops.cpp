@@ -8,7 +8,9 @@
 // (at batch 32 that copy moved ~12 MB per layer per step). The int8 (VNNI) and
 // int4 matmuls stream quantized weights at memory speed at batch 1, where
 // fbgemm's and torch's int4 kernels do not, and quantize activations in groups
-// of 32 (llama.cpp's Q8_0 way), which fbgemm cannot.
+// of 32 (llama.cpp's Q8_0 way), which fbgemm cannot. token_bitmask.h writes a
+// grammar's packed token mask into the logits (structured outputs), sampling.h
+// turns logits into the sampler's unnormalised probabilities in one pass.
 //
 // decode_step.h runs a whole decode step (every layer and the LM head) in one
 // OpenMP team, with these kernels and matvec.h's row-streaming fp32 matmul;
@@ -32,6 +34,8 @@
 #include "decode_step.h"
 #include "layer_ops.h"
 #include "quant_linear.h"
+#include "sampling.h"
+#include "token_bitmask.h"
 
 TORCH_LIBRARY(tandem, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
@@ -52,6 +56,8 @@ TORCH_LIBRARY(tandem, m) {
       .def("add_layer", &tandem::DecodeStep::add_layer)
       .def("forward", &tandem::DecodeStep::forward);
   m.def("int8_linear(Tensor x, Tensor packed, Tensor w_scale, Tensor g_scale, int N) -> Tensor");
+  m.def("exp_weights(Tensor logits, Tensor temperature) -> (Tensor, Tensor)");
+  m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor rows, Tensor bitmask, float value) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
@@ -62,4 +68,6 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("matvec", &tandem::matvec_op);
   m.impl("int4_linear", &tandem::int4_linear);
   m.impl("int8_linear", &tandem::int8_linear);
+  m.impl("exp_weights", &tandem::exp_weights);
+  m.impl("apply_token_bitmask_", &tandem::apply_token_bitmask_);
 }
