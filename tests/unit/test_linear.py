@@ -66,7 +66,7 @@ def test_int4_matches_dequantized_reference_exactly(kernel, monkeypatch):
     lo = wg.amin(-1, keepdim=True).half().float()
     scale = ((wg.amax(-1, keepdim=True) - lo) / 15).half().float()
     deq = (torch.round((wg - lo) / scale).clamp(0, 15) * scale + lo).view(40, 128)
-    for rows in (1, 3, 4, 5, 17):  # whole and partial blocks of 4 rows
+    for rows in (1, 2, 3, 4, 5, 6, 7, 17):  # whole blocks of 4 rows, and tails of 1-3
         x = torch.randn(rows, 128)
         ref = quantize_activations(x).double() @ deq.double().t() + b.double()
         torch.testing.assert_close(lin(x).double(), ref, atol=1e-4, rtol=1e-4)
@@ -89,7 +89,7 @@ def test_int8_blocks_keep_group_scales_exactly(kernel, monkeypatch):
     assert (deq - w).abs().max() <= qw.scale.float().max() / 2 + 1e-6
     lin = Int8Linear(qw, b)
     assert lin.kernel == kernel and lin.nbytes == 40 * 96 + 40 * 4 + 40 * 3 * 2
-    for rows in (1, 5):
+    for rows in (1, 2, 3, 5, 6, 7):  # whole blocks of 4 rows, and tails of 1-3
         x = torch.randn(rows, 96)
         ref = quantize_activations(x).double() @ deq.double().t() + b.double()
         torch.testing.assert_close(lin(x).double(), ref, atol=1e-4, rtol=1e-4)

@@ -25,6 +25,9 @@
 // Group scales (and int4's lo) are fp16 [tiles, G, 16], each tile's together.
 // Batch 1 streams the weights at memory speed (int4 reads half of int8's
 // bytes); batches keep a tile pair in L1 while 4 rows of x at a time pass it.
+// On a 2-vCPU Zen 4 (VPDPBUSD peak ~930 GOPS for both threads) a [16384, 2048]
+// int8 weight runs at ~700 GOPS at M = 128 (torch._int_mm, without group
+// scales: ~680), int4 at ~600: the per-group float epilogue shares the pipes.
 // Without VNNI a portable loop computes the same integers.
 #pragma once
 
@@ -74,94 +77,113 @@ constexpr int64_t tile_bytes(int64_t kp) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Rows m0 .. m0 + MR - 1 of tiles t0 and t0 + 1 (nt = 1: t0 only). MR is a
+// template parameter so the accumulators live in registers and the loops over
+// rows unroll: with a runtime row count g++ kept flags on the stack and branched
+// per row inside the innermost loop (batched matmuls at ~45% of VNNI's peak).
+// With nt = 1 the second tile's columns repeat the first's and are not stored.
+template <bool kInt4, int MR>
+inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, int64_t kp,
+                        int64_t m0, const TileWeight& w, int64_t t0, int64_t nt,
+                        const float* bias, bool accumulate, float* out, int64_t os) {
+  const int64_t G = kp / kInt8Group, tb = tile_bytes<kInt4>(kp);
+  const __m512i low4 = _mm512_set1_epi8(15);
+  const uint8_t* w0 = w.packed + t0 * tb;
+  const uint8_t* w1 = w0 + (nt > 1 ? tb : 0);
+  const int64_t t1 = nt > 1 ? t0 + 1 : t0;
+  const int8_t* qm = q + m0 * kp;
+  auto broadcast4 = [&](int i, int64_t k) {  // q[m0 + i, k .. k + 3] in every lane
+    int32_t four;
+    std::memcpy(&four, qm + i * kp + k, 4);
+    return _mm512_set1_epi32(four);
+  };
+  __m512 facc[MR][2];
+  for (int i = 0; i < MR; i++) facc[i][0] = facc[i][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; g++) {
+    __m512i acc[MR][2];
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
+    if constexpr (kInt4) {
+      for (int64_t c = 0; c < 4; c++) {
+        const __m512i r0 = _mm512_loadu_si512(w0 + (g * 4 + c) * 64);
+        const __m512i r1 = _mm512_loadu_si512(w1 + (g * 4 + c) * 64);
+        const __m512i l0 = _mm512_and_si512(r0, low4), l1 = _mm512_and_si512(r1, low4);
+        const __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(r0, 4), low4);
+        const __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(r1, 4), low4);
+        for (int i = 0; i < MR; i++) {
+          const __m512i al = broadcast4(i, g * 32 + c * 4);
+          const __m512i ah = broadcast4(i, g * 32 + 16 + c * 4);
+          acc[i][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[i][0], l0, al), h0, ah);
+          acc[i][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[i][1], l1, al), h1, ah);
+        }
+      }
+    } else {
+      for (int64_t c = g * 8; c < g * 8 + 8; c++) {
+        const __m512i wv0 = _mm512_loadu_si512(w0 + c * 64);
+        const __m512i wv1 = _mm512_loadu_si512(w1 + c * 64);
+        for (int i = 0; i < MR; i++) {
+          const __m512i av = broadcast4(i, c * 4);
+          acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], wv0, av);
+          acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], wv1, av);
+        }
+      }
+    }
+    auto group_row = [&](const uint16_t* p, int64_t t) {  // tile t's 16 values of group g
+      return _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (t * G + g) * 16)));
+    };
+    __m512 gv[2] = {_mm512_set1_ps(1.f), _mm512_set1_ps(1.f)}, lv[2];
+    if (w.gs) gv[0] = group_row(w.gs, t0), gv[1] = group_row(w.gs, t1);
+    if constexpr (kInt4) lv[0] = group_row(w.lo, t0), lv[1] = group_row(w.lo, t1);
+    for (int i = 0; i < MR; i++) {
+      const int64_t mg = (m0 + i) * G + g;
+      const __m512 sv = _mm512_set1_ps(xs[mg]);
+      for (int j = 0; j < 2; j++) {
+        if constexpr (kInt4) {
+          facc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][j]),
+                                       _mm512_mul_ps(sv, gv[j]), facc[i][j]);
+          facc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(xs[mg] * static_cast<float>(qs[mg])),
+                                       lv[j], facc[i][j]);
+        } else {
+          const __m512i corr = _mm512_set1_epi32(128 * qs[mg]);
+          facc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], corr)),
+                                       w.gs ? _mm512_mul_ps(sv, gv[j]) : sv, facc[i][j]);
+        }
+      }
+    }
+  }
+  for (int64_t j = 0; j < nt; j++) {
+    const int64_t n0 = (t0 + j) * 16, nn = std::min<int64_t>(16, w.N - n0);
+    const __mmask16 keep = static_cast<__mmask16>((1u << nn) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; i++) {
+      __m512 v = facc[i][j];
+      if constexpr (!kInt4) v = _mm512_mul_ps(v, _mm512_loadu_ps(w.w_scale + n0));
+      float* o = out + (m0 + i) * os + n0;
+      if (bias) v = _mm512_add_ps(v, bv);
+      if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, o), v);
+      _mm512_mask_storeu_ps(o, keep, v);
+    }
+  }
+}
+
 // Outputs of tiles [tile0, tile1) (16 each) for M quantized rows q [M, kp]
 // (scales xs and sums qs [M, kp / 32]): out[m, n] = y (+ bias[n]) (+ out[m, n]
-// when accumulate).
+// when accumulate). A tile pair stays in L1/L2 while blocks of rows pass it.
 template <bool kInt4>
 inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, int64_t kp, int64_t M,
                         const TileWeight& w, int64_t tile0, int64_t tile1, const float* bias,
                         bool accumulate, float* out, int64_t os) {
-  const int64_t G = kp / kInt8Group, tb = tile_bytes<kInt4>(kp);
-  const __m512i low4 = _mm512_set1_epi8(15);
-  auto broadcast4 = [&](int64_t m, int64_t k) {  // q[m, k .. k + 3] in every lane
-    int32_t four;
-    std::memcpy(&four, q + m * kp + k, 4);
-    return _mm512_set1_epi32(four);
-  };
   for (int64_t t0 = tile0; t0 < tile1; t0 += 2) {
     const int64_t nt = std::min<int64_t>(2, tile1 - t0);
-    const uint8_t* w0 = w.packed + t0 * tb;
-    const uint8_t* w1 = w0 + (nt > 1 ? tb : 0);
-    for (int64_t m0 = 0; m0 < M; m0 += kInt8RowBlock) {
-      const int64_t mr = std::min<int64_t>(kInt8RowBlock, M - m0);
-      __m512 facc[kInt8RowBlock][2];
-      for (int i = 0; i < kInt8RowBlock; i++) facc[i][0] = facc[i][1] = _mm512_setzero_ps();
-      for (int64_t g = 0; g < G; g++) {
-        __m512i acc[kInt8RowBlock][2];
-        for (int i = 0; i < kInt8RowBlock; i++) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
-        if constexpr (kInt4) {
-          for (int64_t c = 0; c < 4; c++) {
-            const __m512i r0 = _mm512_loadu_si512(w0 + (g * 4 + c) * 64);
-            const __m512i r1 = _mm512_loadu_si512(w1 + (g * 4 + c) * 64);
-            const __m512i l0 = _mm512_and_si512(r0, low4), l1 = _mm512_and_si512(r1, low4);
-            const __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(r0, 4), low4);
-            const __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(r1, 4), low4);
-            for (int64_t i = 0; i < mr; i++) {
-              const __m512i al = broadcast4(m0 + i, g * 32 + c * 4);
-              const __m512i ah = broadcast4(m0 + i, g * 32 + 16 + c * 4);
-              acc[i][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[i][0], l0, al), h0, ah);
-              acc[i][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[i][1], l1, al), h1, ah);
-            }
-          }
-        } else {
-          for (int64_t c = g * 8; c < g * 8 + 8; c++) {
-            const __m512i wv0 = _mm512_loadu_si512(w0 + c * 64);
-            const __m512i wv1 = _mm512_loadu_si512(w1 + c * 64);
-            for (int64_t i = 0; i < mr; i++) {
-              const __m512i av = broadcast4(m0 + i, c * 4);
-              acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], wv0, av);
-              acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], wv1, av);
-            }
-          }
-        }
-        auto group_row = [&](const uint16_t* p, int64_t j) {  // tile t0 + j's 16 values of group g
-          return _mm512_cvtph_ps(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + ((t0 + j) * G + g) * 16)));
-        };
-        __m512 gv[2] = {_mm512_set1_ps(1.f), _mm512_set1_ps(1.f)}, lv[2];
-        for (int64_t j = 0; w.gs && j < nt; j++) gv[j] = group_row(w.gs, j);
-        if constexpr (kInt4)
-          for (int64_t j = 0; j < nt; j++) lv[j] = group_row(w.lo, j);
-        for (int64_t i = 0; i < mr; i++) {
-          const int64_t mg = (m0 + i) * G + g;
-          const __m512 sv = _mm512_set1_ps(xs[mg]);
-          for (int64_t j = 0; j < nt; j++) {
-            if constexpr (kInt4) {
-              facc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][j]),
-                                           _mm512_mul_ps(sv, gv[j]), facc[i][j]);
-              facc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(xs[mg] * static_cast<float>(qs[mg])),
-                                           lv[j], facc[i][j]);
-            } else {
-              const __m512i corr = _mm512_set1_epi32(128 * qs[mg]);
-              facc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], corr)),
-                                           w.gs ? _mm512_mul_ps(sv, gv[j]) : sv, facc[i][j]);
-            }
-          }
-        }
-      }
-      for (int64_t j = 0; j < nt; j++) {
-        const int64_t n0 = (t0 + j) * 16, nn = std::min<int64_t>(16, w.N - n0);
-        const __mmask16 keep = static_cast<__mmask16>((1u << nn) - 1);
-        const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
-        for (int64_t i = 0; i < mr; i++) {
-          __m512 v = facc[i][j];
-          if constexpr (!kInt4) v = _mm512_mul_ps(v, _mm512_loadu_ps(w.w_scale + n0));
-          float* o = out + (m0 + i) * os + n0;
-          if (bias) v = _mm512_add_ps(v, bv);
-          if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, o), v);
-          _mm512_mask_storeu_ps(o, keep, v);
-        }
-      }
+    int64_t m0 = 0;
+    for (; m0 + kInt8RowBlock <= M; m0 += kInt8RowBlock)
+      quant_block<kInt4, kInt8RowBlock>(q, xs, qs, kp, m0, w, t0, nt, bias, accumulate, out, os);
+    static_assert(kInt8RowBlock == 4, "the tail below covers 1 to 3 rows");
+    switch (M - m0) {
+      case 3: quant_block<kInt4, 3>(q, xs, qs, kp, m0, w, t0, nt, bias, accumulate, out, os); break;
+      case 2: quant_block<kInt4, 2>(q, xs, qs, kp, m0, w, t0, nt, bias, accumulate, out, os); break;
+      case 1: quant_block<kInt4, 1>(q, xs, qs, kp, m0, w, t0, nt, bias, accumulate, out, os); break;
+      default: break;
     }
   }
 }
