@@ -51,7 +51,11 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=torch.float32).eval()
+    from tandem.model.gguf import default_model_path, gguf_to_hf_dir
+
+    # The engine keeps no fp32 copy of a GGUF; HF needs one (made once, cached).
+    hf_dir = gguf_to_hf_dir(default_model_path(), weights=True)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     t = time.perf_counter()
     hf_tokens = 0
     with torch.no_grad():
