@@ -220,7 +220,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     set_threads(a.threads)
-    wanted = ["F32"] + [t for t in a.types.split(",") if t != "F32"]
+    wanted = ["F32"] + [t.upper() for t in a.types.split(",") if t.upper() != "F32"]
     unknown = [t for t in wanted if t not in TYPES]
     if unknown:
         raise SystemExit(f"unknown types {unknown}; choose from {list(TYPES)}")
