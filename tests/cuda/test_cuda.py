@@ -133,3 +133,28 @@ def test_gpu_kv_pool_is_sized_from_free_memory(tmp_path):
     pool = engine.kv_manager.num_blocks * engine.config.block_size * engine.kv_bytes_per_token
     assert 0 < pool <= 0.05 * total
     assert all(len(ids) == 12 for ids in _greedy(engine, PROMPTS))
+
+
+def test_grammar_bitmask_and_sampler_on_gpu():
+    """A grammar's packed bitmask applied to CUDA logits (the torch unpack path)
+    bans what the CPU path bans, and the sampler on GPU draws only allowed tokens."""
+    from tandem.worker.sampler import Sampler, SamplingMetadata
+    from tandem.worker.structured_output import apply_token_bitmask_
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 1000
+    words = torch.randint(-2**31, 2**31 - 1, (2, -(-vocab // 32)), generator=g, dtype=torch.int64)
+    bitmask = words.to(torch.int32)
+    logits = torch.randn(3, vocab, generator=g)
+    rows = torch.tensor([2, 0])
+    want = logits.clone()
+    apply_token_bitmask_(want, rows, bitmask)
+    got = logits.cuda()
+    apply_token_bitmask_(got, rows.cuda(), bitmask.cuda())
+    assert torch.equal(got.cpu(), want)
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(3)]
+    meta = SamplingMetadata.build(params, [None] * 3, [[]] * 3, [[]] * 3, [], vocab, "cuda")
+    meta.grammar_mask = (rows.cuda(), bitmask.cuda())
+    for _ in range(10):
+        out = Sampler()(logits.cuda(), meta).sampled_token_ids.tolist()
+        assert want[2, out[2]] != -float("inf") and want[0, out[0]] != -float("inf")
