@@ -215,6 +215,9 @@ def _tile_pack(u8: torch.Tensor, group: int, pad: int) -> torch.Tensor:
     return packed
 
 
+_NONE = torch.empty(0)  # an unused tensor argument of the C++ decode step
+
+
 def _tile_groups(v: torch.Tensor) -> torch.Tensor:
     """Per-group values fp16 [n, G] -> [ceil(n / 16), G, 16]: a tile's together."""
     n, g = v.shape
@@ -299,16 +302,22 @@ class Int4Linear(_QuantLinear):
         self.out_features = n
         if self.kernel:
             # A row's bytes are already 16 low + 16 high nibbles per group: the
-            # kernel's chunks are those bytes tiled as int8's are (padding 0).
-            self.packed = _tile_pack(qw.data, INT4_GROUP_SIZE // 2, pad=0)
-            self.scale, self.lo = _tile_groups(qw.scale), _tile_groups(qw.lo)
+            # kernel's chunks are those bytes tiled as int8's are (padding 0),
+            # each tile's group followed by its fp16 scales and lo, so a tile is
+            # one stream (tandem/kernels/csrc/quant_linear.h).
+            nib = _tile_pack(qw.data, INT4_GROUP_SIZE // 2, pad=0)
+            tiles, groups = nib.shape[0], k // INT4_GROUP_SIZE
+            self.packed = torch.cat([
+                nib.view(tiles, groups, 256),
+                _tile_groups(qw.scale).view(torch.uint8),
+                _tile_groups(qw.lo).view(torch.uint8)], dim=2)
         else:
             self._weight = qw  # dequantized per call (no kernel for it here)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel:
-            return torch.ops.tandem.int4_linear(
-                x.float(), self.packed, self.scale, self.lo, self.out_features).to(x.dtype)
+            y = torch.ops.tandem.int4_linear(x.float(), self.packed, self.out_features)
+            return y.to(x.dtype)
         w = self._weight.dequantize()
         if self.cpu:  # the kernel's arithmetic (W4A8) in torch: slower
             return torch.mm(quantize_activations(x.float()), w.t()).to(x.dtype)
@@ -316,7 +325,7 @@ class Int4Linear(_QuantLinear):
 
     @property
     def step_args(self) -> tuple[int, list[torch.Tensor]] | None:
-        return (WeightKind.INT4, [self.packed, self.scale, self.lo]) if self.kernel else None
+        return (WeightKind.INT4, [self.packed, _NONE, _NONE]) if self.kernel else None
 
     @property
     def nbytes(self) -> int:

@@ -48,7 +48,7 @@ TORCH_LIBRARY(tandem, m) {
       "paged_attention_decode(Tensor q, Tensor cache, Tensor? cache_scale, Tensor block_tables, "
       "Tensor context_lens, int block_size, float scale) -> Tensor");
   m.def("matvec(Tensor x, Tensor w, Tensor? bias) -> Tensor");
-  m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor lo, int N) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, int N) -> Tensor");
   m.class_<tandem::DecodeStep>("DecodeStep")
       .def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t,
                        int64_t, double>())

@@ -98,7 +98,7 @@ struct DecodeStep : torch::CustomClassHolder {
   // One layer. kinds: the weight kind of qkv, o, gate_up, down (a GGUF mixes
   // formats, e.g. Q4_K_M's Q6_K down_proj); matmuls: their tensors, three
   // each (dense: the [out, in] weight, the other two unused; int8: packed,
-  // w_scale, group scales or empty; int4: packed, scale, lo).
+  // w_scale, group scales or empty; int4: packed, then two empty tensors).
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<int64_t> kinds,
                  std::vector<at::Tensor> matmuls, std::optional<at::Tensor> qkv_bias,
                  std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,

@@ -19,10 +19,16 @@
 // holds 4 consecutive inputs of its 16 columns (byte 4 j + r: column j), so one
 // instruction adds 4 products to each of 16 outputs.
 //   int8: chunk c holds inputs 4c .. 4c + 3 (packed [tiles, kp / 4, 16, 4]);
-//   int4: chunk 4g + c holds, in its low nibbles, inputs 32g + 4c .. 32g + 4c + 3
-//         and in its high nibbles the 16 after them (packed [tiles, K / 8, 16, 4]:
-//         a row's GGUF bytes tiled the way int8's are).
-// Group scales (and int4's lo) are fp16 [tiles, G, 16], each tile's together.
+//   int4: group g of a tile is one 320-byte block (packed [tiles, G, 320]): 4
+//         chunks of 64 bytes, chunk c holding in its low nibbles inputs 32g + 4c ..
+//         32g + 4c + 3 and in its high nibbles the 16 after them (a row's GGUF
+//         bytes tiled the way int8's are), then the group's 16 fp16 scales and 16
+//         fp16 lo. One stream per tile: with scales and lo in two arrays beside it
+//         a single row's matvec kept 12 streams in flight per thread and read a
+//         DRAM-sized [32768, 4096] int4 weight at 36-39 GB/s (int8: 43-46); with
+//         them inside, 43-47 (int8 48-54 in that run), and a 1.66B Q4_0 decode
+//         step went from 31-32 to 22.5-30 ms (8B: 89-93 -> 89 ms, DRAM-bound).
+// int8's group scales (Q8_0) are fp16 [tiles, G, 16], each tile's together.
 // Batch 1 streams the weights at memory speed (int4 reads half of int8's
 // bytes); batches keep a tile pair in L1 while 4 rows of x at a time pass it.
 // On a 2-vCPU Zen 4 (VPDPBUSD peak ~930 GOPS for both threads) a [16384, 2048]
@@ -66,19 +72,22 @@ inline void int8_quantize_row(const float* r, int64_t K, int8_t* q, float* scale
 }
 
 // A quantized weight as the tile kernel reads it: int8 (w_scale [16 tiles],
-// gs optional) or int4 (gs and lo required, no w_scale).
+// gs optional) or int4 (its scales and lo inside packed).
 struct TileWeight {
   const uint8_t* packed;
   const float* w_scale;  // int8 only
-  const uint16_t* gs;    // fp16 [tiles, G, 16], or nullptr (int8 without group scales)
-  const uint16_t* lo;    // int4 only: fp16 [tiles, G, 16]
+  const uint16_t* gs;    // int8 only: fp16 [tiles, G, 16], or nullptr (no group scales)
   int64_t N;
 };
+
+// An int4 tile's bytes per group: 32 inputs x 16 columns of nibbles, 16 fp16
+// scales, 16 fp16 lo.
+constexpr int64_t kInt4GroupBytes = 256 + 32 + 32;
 
 // Bytes of one tile of 16 outputs over kp inputs.
 template <bool kInt4>
 constexpr int64_t tile_bytes(int64_t kp) {
-  return kInt4 ? kp * 8 : kp * 16;
+  return kInt4 ? kp / kInt8Group * kInt4GroupBytes : kp * 16;
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -116,7 +125,7 @@ inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, int
       for (int64_t c = 0; c < 4; c++) {
         __m512i lw[NT], hw[NT];
         for (int j = 0; j < NT; j++) {
-          const __m512i r = _mm512_loadu_si512(wt[j] + (g * 4 + c) * 64);
+          const __m512i r = _mm512_loadu_si512(wt[j] + g * kInt4GroupBytes + c * 64);
           lw[j] = _mm512_and_si512(r, low4);
           hw[j] = _mm512_and_si512(_mm512_srli_epi16(r, 4), low4);
         }
@@ -137,14 +146,17 @@ inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, int
         }
       }
     }
-    auto group_row = [&](const uint16_t* p, int64_t t) {  // tile t's 16 values of group g
-      return _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (t * G + g) * 16)));
+    auto fp16x16 = [](const void* p) {
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     };
     __m512 gv[NT], lv[NT];
     for (int j = 0; j < NT; j++) {
-      gv[j] = w.gs ? group_row(w.gs, tile[j]) : _mm512_set1_ps(1.f);
-      if constexpr (kInt4) lv[j] = group_row(w.lo, tile[j]);
+      if constexpr (kInt4) {
+        gv[j] = fp16x16(wt[j] + g * kInt4GroupBytes + 256);
+        lv[j] = fp16x16(wt[j] + g * kInt4GroupBytes + 288);
+      } else {
+        gv[j] = w.gs ? fp16x16(w.gs + (tile[j] * G + g) * 16) : _mm512_set1_ps(1.f);
+      }
     }
     for (int i = 0; i < MR; i++) {
       const int64_t mg = (m0 + i) * G + g;
@@ -228,11 +240,16 @@ inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, int
     auto weight = [&](int64_t k, int64_t j) -> int32_t {  // input k, column j (int8: + 128)
       if constexpr (kInt4) {
         const int64_t g = k / 32, h = k % 32;
-        const uint8_t b = wt[(g * 4 + (h % 16) / 4) * 64 + j * 4 + k % 4];
+        const uint8_t b = wt[g * kInt4GroupBytes + ((h % 16) / 4) * 64 + j * 4 + k % 4];
         return h < 16 ? (b & 15) : (b >> 4);
       } else {
         return wt[(k / 4) * 64 + j * 4 + k % 4];
       }
+    };
+    auto int4_group = [&](int64_t g, int64_t off, int64_t j) {  // scale (0) or lo (32)
+      uint16_t h;
+      std::memcpy(&h, wt + g * kInt4GroupBytes + 256 + off + 2 * j, 2);
+      return half_to_float(h);
     };
     for (int64_t m = 0; m < M; m++) {
       float facc[16] = {0.f};
@@ -242,13 +259,13 @@ inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, int
           for (int64_t j = 0; j < 16; j++) acc[j] += weight(k, j) * q[m * kp + k];
         const int64_t mg = m * G + g;
         for (int64_t j = 0; j < 16; j++) {
-          const float gsv = w.gs ? half_to_float(w.gs[(t * G + g) * 16 + j]) : 1.f;
-          if constexpr (kInt4)
-            facc[j] += static_cast<float>(acc[j]) * xs[mg] * gsv +
-                       xs[mg] * static_cast<float>(qs[mg]) *
-                           half_to_float(w.lo[(t * G + g) * 16 + j]);
-          else
+          if constexpr (kInt4) {
+            facc[j] += static_cast<float>(acc[j]) * xs[mg] * int4_group(g, 0, j) +
+                       xs[mg] * static_cast<float>(qs[mg]) * int4_group(g, 32, j);
+          } else {
+            const float gsv = w.gs ? half_to_float(w.gs[(t * G + g) * 16 + j]) : 1.f;
             facc[j] += static_cast<float>(acc[j] - 128 * qs[mg]) * xs[mg] * gsv;
+          }
         }
       }
       const int64_t n0 = t * 16;
@@ -263,36 +280,36 @@ inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, int
 }
 #endif
 
-// fp16 group values (scales, lo) of a tiled weight, or empty where optional.
-inline bool tile_groups_ok(const at::Tensor& t, int64_t tiles, int64_t kp, bool optional) {
-  return (optional && t.numel() == 0) ||
+// int8's fp16 group scales of a tiled weight ([tiles, G, 16]), or empty.
+inline bool tile_groups_ok(const at::Tensor& t, int64_t tiles, int64_t kp) {
+  return t.numel() == 0 ||
          (t.device().is_cpu() && t.scalar_type() == at::kHalf && t.is_contiguous() &&
           t.numel() == tiles * (kp / kInt8Group) * 16);
 }
 
-// Checks a tiled weight's tensors against an [N, K] matmul: int8 (packed,
-// w_scale float32 [16 tiles], group scales or empty) or int4 (packed, scale, lo).
+// Checks a tiled weight's tensors against an [N, K] matmul: int8 (packed
+// [tiles, kp / 4, 16, 4], w_scale float32 [16 tiles], group scales or empty) or
+// int4 (packed [tiles, K / 32, 320] with its scales and lo; a and b empty).
 inline void check_tiles(bool int4, const at::Tensor& packed, const at::Tensor& a,
                         const at::Tensor& b, int64_t N, int64_t K, const char* name) {
   const int64_t tiles = (N + 15) / 16, kp = (K + kInt8Group - 1) / kInt8Group * kInt8Group;
   bool ok = packed.device().is_cpu() && packed.is_contiguous() &&
-            packed.scalar_type() == at::kByte && packed.dim() == 4 && packed.size(0) == tiles &&
-            packed.size(2) == 16 && packed.size(3) == 4;
+            packed.scalar_type() == at::kByte && packed.size(0) == tiles;
   if (int4)
-    ok = ok && K % kInt8Group == 0 && packed.size(1) * 8 == K && tile_groups_ok(a, tiles, kp, false) &&
-         tile_groups_ok(b, tiles, kp, false);
+    ok = ok && K % kInt8Group == 0 && packed.dim() == 3 && packed.size(1) * kInt8Group == K &&
+         packed.size(2) == kInt4GroupBytes && a.numel() == 0 && b.numel() == 0;
   else
-    ok = ok && packed.size(1) * 4 == kp && a.scalar_type() == at::kFloat && a.is_contiguous() &&
-         a.numel() == tiles * 16 && tile_groups_ok(b, tiles, kp, true);
+    ok = ok && packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 4 &&
+         packed.size(1) * 4 == kp && a.scalar_type() == at::kFloat && a.is_contiguous() &&
+         a.numel() == tiles * 16 && tile_groups_ok(b, tiles, kp);
   TORCH_CHECK(ok, name, ": the tensors do not hold a tiled ", int4 ? "int4" : "int8", " ", N,
               " x ", K, " weight (tandem.model.linear's layout)");
 }
 
 inline TileWeight tile_weight(bool int4, const at::Tensor& packed, const at::Tensor& a,
                               const at::Tensor& b, int64_t N) {
-  if (int4) return {packed.data_ptr<uint8_t>(), nullptr, half_ptr(a), half_ptr(b), N};
-  return {packed.data_ptr<uint8_t>(), a.data_ptr<float>(), b.numel() ? half_ptr(b) : nullptr,
-          nullptr, N};
+  if (int4) return {packed.data_ptr<uint8_t>(), nullptr, nullptr, N};
+  return {packed.data_ptr<uint8_t>(), a.data_ptr<float>(), b.numel() ? half_ptr(b) : nullptr, N};
 }
 
 // Rows x [M, K] quantized for the tile kernel: q [M, kp], group scales and sums [M, kp / 32].
@@ -333,7 +350,7 @@ struct QuantizedRows {
 };
 
 // y = x W^T for a tiled int8 (a: w_scale, b: group scales or empty) or int4
-// (a: scale, b: lo) weight of N outputs.
+// (a, b empty) weight of N outputs.
 at::Tensor quant_linear(bool int4, const at::Tensor& x, const at::Tensor& packed,
                         const at::Tensor& a, const at::Tensor& b, int64_t N) {
   check_float_rows(x, "x");
@@ -355,9 +372,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return quant_linear(false, x, packed, w_scale, g_scale, N);
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                       const at::Tensor& lo, int64_t N) {
-  return quant_linear(true, x, packed, scale, lo, N);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  return quant_linear(true, x, packed, at::empty({0}), at::empty({0}), N);
 }
 
 }  // namespace tandem

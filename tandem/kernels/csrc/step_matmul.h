@@ -22,7 +22,7 @@ struct StepInput {
 struct StepMatmul {
   WeightKind kind;
   // dense: w [N, K] (a, b unused); int8: packed, w_scale, group scales (b, empty when
-  // none); int4: packed, scale, lo.
+  // none); int4: packed, with its scales and lo (a, b empty).
   at::Tensor w, a, b;
   int64_t N, K;
 
