@@ -108,6 +108,11 @@ def knob(kind: str, name: str) -> str:
     return KNOBS.get(kind, KNOBS["openai"])[name]
 
 
+def _less_prompt(kind: str) -> list[str]:
+    """Advice shared by the prefill findings: fewer prompt tokens to compute."""
+    return ["shorter prompts: trim the system prompt, the retrieved context and old turns",
+            f"reuse shared prefixes instead of recomputing them: {knob(kind, 'prefix')}"]
+
 
 def ms(s: float) -> str:
     return f"{s * 1e3:,.0f} ms"
@@ -138,8 +143,7 @@ def budget_wait_finding(kind: str, evidence: str, values: dict[str, float]) -> F
         [
             f"a larger per-step token budget, so waiting prompts start sooner: "
             f"{knob(kind, 'budget')} (it costs running streams smoothness)",
-            "shorter prompts: trim the system prompt, the retrieved context and old turns",
-            f"reuse shared prefixes instead of recomputing them: {knob(kind, 'prefix')}",
+            *_less_prompt(kind),
         ],
         values,
     )
@@ -178,8 +182,7 @@ def prefill_finding(kind: str, why: str, evidence: str, values: dict[str, float]
         f"The first token is slow because of prefill: {why}",
         evidence,
         [
-            "shorter prompts: trim the system prompt, the retrieved context and old turns",
-            f"reuse shared prefixes instead of recomputing them: {knob(kind, 'prefix')}",
+            *_less_prompt(kind),
             f"a larger per-step token budget so a prompt prefills in fewer steps: "
             f"{knob(kind, 'budget')} (it costs running streams smoothness)",
             "prefill is compute bound: beyond that, only faster compute (a GPU) helps",

@@ -346,14 +346,13 @@ class Sampler(torch.nn.Module):
         top-p normaliser is the sum of those same weights, not a second
         logsumexp pass.
         """
-        assert meta.temperature is not None
-        temp = meta.temperature.unsqueeze(1)
         weights, row_max = exp_weights(logits, meta)
         thr = None  # per row: drop logits below it
         if meta.top_k is not None or meta.top_p is not None:
             thr = _top_k_top_p_threshold(logits, weights, row_max, meta)
         if meta.min_p is not None:
             # p_i < min_p * p_max  <=>  l_i < l_max + T * log(min_p).
+            temp = meta.temperature.unsqueeze(1)
             thr_m = (row_max + temp * torch.log(meta.min_p).unsqueeze(1)).squeeze(1)
             thr = thr_m if thr is None else torch.maximum(thr, thr_m)
         if thr is not None:

@@ -174,14 +174,10 @@ class DetokenizeRequest(_Body):
 
 
 # ------------------------------------------------------- OpenAI Responses
-class ResponsesTool(_Body):
-    """The Responses API's flat function tool."""
+class ResponsesTool(FunctionDefinition):
+    """The Responses API's flat function tool: a function definition with a type."""
 
     type: Literal["function"]
-    name: str = Field(pattern=r"^[a-zA-Z0-9_.:-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class ResponsesToolChoice(_Body):
