@@ -96,10 +96,14 @@ constexpr int64_t tile_bytes(int64_t kp) {
 // parameters so the accumulators live in registers and the loops unroll: with a
 // runtime row count g++ kept flags on the stack and branched per row inside the
 // innermost loop (batched matmuls at ~45% of VNNI's peak).
+//
+// pf, when set, is a share of the next tiles' bytes to bring into cache while
+// this block multiplies: pf_group bytes of it per group (see quant_tiles).
 template <bool kInt4, int MR, int NT>
 inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, int64_t kp,
                         int64_t m0, const TileWeight& w, int64_t t0, int64_t nt,
-                        const float* bias, bool accumulate, float* out, int64_t os) {
+                        const float* bias, bool accumulate, float* out, int64_t os,
+                        const uint8_t* pf = nullptr, int64_t pf_group = 0) {
   const int64_t G = kp / kInt8Group, tb = tile_bytes<kInt4>(kp);
   const __m512i low4 = _mm512_set1_epi8(15);
   int64_t tile[NT];
@@ -118,6 +122,8 @@ inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, int
   for (int i = 0; i < MR; i++)
     for (int j = 0; j < NT; j++) facc[i][j] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; g++) {
+    for (int64_t o = 0; o < pf_group; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(pf + g * pf_group + o), _MM_HINT_T1);
     __m512i acc[MR][NT];
     for (int i = 0; i < MR; i++)
       for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_si512();
@@ -205,22 +211,40 @@ inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, int
                                           accumulate, out, os);
     return;
   }
+  // A batch reads each tile pair from memory in its first row block and from
+  // L2 in the others; the row blocks of a pair each bring 1 / blocks of the
+  // next pair into cache, so that read overlaps with arithmetic. The 1.66B
+  // model's layers cycled through (DRAM, not L3) at M = 16 on a 2-vCPU Zen 4:
+  // int8 gate_up 487 -> 601 GOPS, int4 536 -> 609 (M = 8: 393 -> 463, 477 ->
+  // 596); 16 requests of 128 + 128 tokens 72.4 -> 77.5 tok/s (Q8_0).
+  const int64_t tb = tile_bytes<kInt4>(kp), G = kp / kInt8Group, blocks = (M + 3) / 4;
+  const int64_t pf_group = (2 * tb / G / blocks + 63) / 64 * 64;
   for (int64_t t0 = tile0; t0 < tile1; t0 += 2) {
     const int64_t nt = std::min<int64_t>(2, tile1 - t0);
+    const uint8_t* next = t0 + 2 < tile1 ? w.packed + (t0 + 2) * tb : nullptr;
+    const int64_t pf_left = next ? std::min<int64_t>(2, tile1 - t0 - 2) * tb : 0;
+    auto pf = [&](int64_t m0) -> std::pair<const uint8_t*, int64_t> {
+      const int64_t off = m0 / 4 * pf_group * G;  // this block's share
+      if (!next || off >= pf_left) return {nullptr, 0};
+      return {next + off, std::min(pf_group, (pf_left - off) / G / 64 * 64)};
+    };
     int64_t m0 = 0;
-    for (; m0 + kInt8RowBlock <= M; m0 += kInt8RowBlock)
+    for (; m0 + kInt8RowBlock <= M; m0 += kInt8RowBlock) {
+      const auto [p, pg] = pf(m0);
       quant_block<kInt4, kInt8RowBlock, 2>(q, xs, qs, kp, m0, w, t0, nt, bias, accumulate, out,
-                                           os);
+                                           os, p, pg);
+    }
     static_assert(kInt8RowBlock == 4, "the tail below covers 1 to 3 rows");
+    const auto [p, pg] = pf(m0);
     switch (M - m0) {
       case 3:
-        quant_block<kInt4, 3, 2>(q, xs, qs, kp, m0, w, t0, nt, bias, accumulate, out, os);
+        quant_block<kInt4, 3, 2>(q, xs, qs, kp, m0, w, t0, nt, bias, accumulate, out, os, p, pg);
         break;
       case 2:
-        quant_block<kInt4, 2, 2>(q, xs, qs, kp, m0, w, t0, nt, bias, accumulate, out, os);
+        quant_block<kInt4, 2, 2>(q, xs, qs, kp, m0, w, t0, nt, bias, accumulate, out, os, p, pg);
         break;
       case 1:
-        quant_block<kInt4, 1, 2>(q, xs, qs, kp, m0, w, t0, nt, bias, accumulate, out, os);
+        quant_block<kInt4, 1, 2>(q, xs, qs, kp, m0, w, t0, nt, bias, accumulate, out, os, p, pg);
         break;
       default:
         break;
