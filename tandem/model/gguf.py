@@ -609,9 +609,8 @@ def _decode_q8_0(data: np.ndarray) -> list:
 
 
 def _decode_q4_0(data: np.ndarray) -> list:
-    b = _blocks(data, 18)  # fp16 d, 16 bytes of nibbles: w = d (q - 8)
-    d = _f16(b[:, :, :2])
-    return [b[:, :, 2:].reshape(b.shape[0], -1), d, d * np.float16(-8)]
+    b = _blocks(data, 18)  # fp16 d, 16 bytes of nibbles: w = d (q - 8): no lo
+    return [b[:, :, 2:].reshape(b.shape[0], -1), _f16(b[:, :, :2])]
 
 
 def _decode_q4_1(data: np.ndarray) -> list:

@@ -18,12 +18,13 @@ Quantization trades a little quality for fewer bytes read per decode step
   a portable loop elsewhere), with weights packed 16 outputs x 4 inputs per 64
   bytes: batch 1 streams them at memory speed. Without the kernels (or on
   CUDA) the weight is dequantized per call: memory saved, not time.
-* int4: asymmetric, groups of 32 input weights with an fp16 scale and lo each
-  (GGUF's Q4_0 / Q4_1 blocks exactly, Q4_K's within fp16 rounding of its
-  scales). On CPU the same kernel as int8's multiplies them with the
-  activations quantized the same way (W4A8, llama.cpp's Q4_0 x Q8_0): the
-  nibbles are unpacked in registers, so batch 1 reads half of int8's bytes
-  and batches cost what int8's do. Elsewhere it dequantizes per call.
+* int4: groups of 32 input weights with an fp16 scale and lo each (GGUF's
+  Q4_1 blocks exactly, Q4_K's within fp16 rounding of its scales), or with a
+  scale and the fixed offset 8 (Q4_0's blocks: no lo to read or apply). On
+  CPU the same kernel as int8's multiplies them with the activations
+  quantized the same way (W4A8, llama.cpp's Q4_0 x Q8_0): the nibbles are
+  unpacked in registers, so batch 1 reads half of int8's bytes and batches
+  cost about what int8's do. Elsewhere it dequantizes per call.
 """
 
 from __future__ import annotations
@@ -109,8 +110,9 @@ class QuantizedWeight:
     with fp16 ``scale`` per group of 32 inputs (GGUF's Q8_0: w = q * d), or int4
     ``data`` uint8 [out, in / 2] with fp16 ``scale`` and ``lo`` per group of 32
     (GGUF's Q4_0 / Q4_1 nibble layout: byte i of a group holds weight i in its
-    low nibble and 16 + i in its high one; w = q * scale + lo). Rows are
-    independent, so fused matmuls concatenate them without requantizing."""
+    low nibble and 16 + i in its high one; w = q * scale + lo), ``lo`` None for
+    Q4_0's fixed offset (w = (q - 8) * scale). Rows are independent, so fused
+    matmuls concatenate them without requantizing."""
 
     def __init__(self, kind: str, data: torch.Tensor, scale: torch.Tensor,
                  lo: torch.Tensor | None = None) -> None:
@@ -133,7 +135,9 @@ class QuantizedWeight:
             raise ValueError("cannot concatenate weights of different block formats")
         if len(parts) == 1:
             return parts[0]
-        lo = None if kind == "int8" else torch.cat([p.lo for p in parts])
+        lo = None
+        if kind == "int4" and any(p.lo is not None for p in parts):
+            lo = torch.cat([p.lo if p.lo is not None else p.scale * -8 for p in parts])
         return QuantizedWeight(kind, torch.cat([p.data for p in parts]),
                                torch.cat([p.scale for p in parts]), lo)
 
@@ -144,6 +148,8 @@ class QuantizedWeight:
         if self.kind == "int8":
             return (self.data.float().view(n, -1, INT8_GROUP_SIZE) * s).view(n, k)
         q = unpack_int4(self.data).float().view(n, -1, INT4_GROUP_SIZE)
+        if self.lo is None:
+            return ((q - 8) * s).view(n, k)
         return (q * s + self.lo.float()[..., None]).view(n, k)
 
 
@@ -291,26 +297,28 @@ class Int8Linear(_QuantLinear):
 class Int4Linear(_QuantLinear):
     def __init__(self, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None
                  ) -> None:
-        """From a float weight (quantized per group of 32) or from int4 blocks
-        (exact, e.g. a GGUF's Q4_0 / Q4_1 / Q4_K)."""
+        """From a float weight (quantized per group of 32, with lo) or from int4
+        blocks (exact, e.g. a GGUF's Q4_0 / Q4_1 / Q4_K)."""
         qw = w if isinstance(w, QuantizedWeight) else quantize_int4(w)
         n, k = qw.shape
         self.bias = bias
         self.cpu = qw.data.device.type == "cpu"
         self.kernel = self.cpu and custom_ops.available()
-        self._nbytes = n * k // 2 + 2 * n * (k // INT4_GROUP_SIZE) * 2
+        self.fixed_offset = qw.lo is None  # Q4_0: w = (q - 8) * scale
+        groups = k // INT4_GROUP_SIZE
+        self._nbytes = n * k // 2 + n * groups * 2 * (1 if self.fixed_offset else 2)
         self.out_features = n
         if self.kernel:
             # A row's bytes are already 16 low + 16 high nibbles per group: the
             # kernel's chunks are those bytes tiled as int8's are (padding 0),
-            # each tile's group followed by its fp16 scales and lo, so a tile is
-            # one stream (tandem/kernels/csrc/quant_linear.h).
+            # each tile's group followed by its fp16 scales and lo (if any), so
+            # a tile is one stream (tandem/kernels/csrc/quant_linear.h).
             nib = _tile_pack(qw.data, INT4_GROUP_SIZE // 2, pad=0)
-            tiles, groups = nib.shape[0], k // INT4_GROUP_SIZE
-            self.packed = torch.cat([
-                nib.view(tiles, groups, 256),
-                _tile_groups(qw.scale).view(torch.uint8),
-                _tile_groups(qw.lo).view(torch.uint8)], dim=2)
+            tiles = nib.shape[0]
+            parts = [nib.view(tiles, groups, 256), _tile_groups(qw.scale).view(torch.uint8)]
+            if not self.fixed_offset:
+                parts.append(_tile_groups(qw.lo).view(torch.uint8))
+            self.packed = torch.cat(parts, dim=2)
         else:
             self._weight = qw  # dequantized per call (no kernel for it here)
 
@@ -339,13 +347,13 @@ _DENSE_LEVELS = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F
 
 def quantization_level(lin: Linear) -> str:
     """The weight format as Ollama and llama.cpp name it: F32 / BF16 / F16, Q8_0
-    (int8 with a scale per group of 32), INT8 (a scale per output channel), Q4_1
-    (int4 with a scale and a minimum per group of 32: how tandem holds every
-    int4 weight, a Q4_0 file's included)."""
+    (int8 with a scale per group of 32), INT8 (a scale per output channel), Q4_0
+    (int4 with a scale per group of 32 and the fixed offset 8), Q4_1 (int4 with
+    a scale and a minimum per group of 32: tandem's own int4, and Q4_K's)."""
     if isinstance(lin, Int8Linear):
         return "INT8" if lin.group_scale is None else "Q8_0"
     if isinstance(lin, Int4Linear):
-        return "Q4_1"
+        return "Q4_0" if lin.fixed_offset else "Q4_1"
     return _DENSE_LEVELS.get(lin.w.dtype, str(lin.w.dtype))
 
 

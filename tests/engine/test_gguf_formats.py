@@ -55,7 +55,7 @@ def test_gguf_formats_run_as_stored_and_agree_on_every_path(tmp_path, qtype):
     m = engine.model
     layer = m.layers[0]
     # What /api/show reports: the format of most of the layer bytes, as served.
-    assert served_quantization(engine) == {"Q4_0": "Q4_1", "Q8_0": "Q8_0", "mixed": "Q4_1"}[qtype]
+    assert served_quantization(engine) == {"Q4_0": "Q4_0", "Q8_0": "Q8_0", "mixed": "Q4_1"}[qtype]
     if qtype == "mixed":
         assert isinstance(layer.qkv, Int8Linear) and isinstance(layer.o, Int4Linear)
         assert isinstance(layer.gate_up, Int4Linear) and isinstance(layer.down, Int8Linear)

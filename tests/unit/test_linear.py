@@ -77,6 +77,34 @@ def test_int4_matches_dequantized_reference_exactly(kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["tandem-kernel", "torch"])
+def test_int4_with_the_fixed_offset_matches_its_blocks_exactly(kernel, monkeypatch):
+    """Q4_0's blocks (w = (q - 8) * scale, no lo) multiply as their dequantized
+    weight at every batch size, kernel and torch alike, and hold no lo."""
+    if not kernel:
+        monkeypatch.setattr(custom_ops, "available", lambda: False)
+    n, k = 72, 128  # 72 outputs: tile pairs, the next pair's share, a partial tile
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scale = (torch.rand(n, k // 32) * 0.01).half()
+    g = q.view(n, -1, 2, 16)
+    qw = QuantizedWeight("int4", (g[:, :, 0] | (g[:, :, 1] << 4)).view(n, k // 2), scale)
+    deq = ((q.float() - 8).view(n, -1, 32) * scale.float()[..., None]).view(n, k)
+    torch.testing.assert_close(qw.dequantize(), deq, atol=0, rtol=0)
+    b = torch.randn(n) * 0.1
+    lin = Int4Linear(qw, b)
+    assert lin.kernel == kernel and lin.fixed_offset and quantization_level(lin) == "Q4_0"
+    assert lin.nbytes == n * k // 2 + n * 4 * 2  # nibbles + an fp16 scale per 32
+    for rows in (1, 2, 3, 4, 5, 6, 7, 9, 17):  # whole blocks of 4 rows, and tails of 1-3
+        x = torch.randn(rows, k)
+        ref = quantize_activations(x).double() @ deq.double().t() + b.double()
+        torch.testing.assert_close(lin(x).double(), ref, atol=1e-4, rtol=1e-4)
+    # Fused with an int4 weight that has lo, the offset becomes that weight's lo.
+    other = quantize_int4(torch.randn(16, k) * 0.05)
+    both = QuantizedWeight.cat([qw, other])
+    assert both.lo is not None and not Int4Linear(both).fixed_offset
+    torch.testing.assert_close(both.dequantize(), torch.cat([deq, other.dequantize()]))
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["tandem-kernel", "torch"])
 def test_int8_blocks_keep_group_scales_exactly(kernel, monkeypatch):
     """int8 blocks with a scale per group of 32 (a GGUF's Q8_0) multiply as their
     dequantized weight with W8A8's per-group activations, kernel and torch alike."""

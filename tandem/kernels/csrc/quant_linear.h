@@ -10,10 +10,17 @@
 //   int8: y[n] = w_scale[n] * sum_g xs[g] * gs[n, g] * sum_{k in g} qx[k] qw[n, k]
 //         (gs = 1 without group scales; GGUF's Q8_0 blocks are qw * gs exactly);
 //   int4: y[n] = sum_g xs[g] * (gs[n, g] * sum_{k in g} qx[k] qw[n, k] + lo[n, g] * sum_{k in g} qx[k])
-//         (the weight is qw * gs + lo, qw in 0..15: GGUF's Q4_0 / Q4_1 blocks exactly).
+//         (the weight is qw * gs + lo, qw in 0..15: GGUF's Q4_1 / Q4_K blocks exactly);
+//   int4 with the fixed offset 8 (GGUF's Q4_0, w = (qw - 8) * gs): lo = -8 gs,
+//         which the integer sums take instead (below), and the tiles hold no lo.
 //
 // VNNI multiplies unsigned by signed bytes: int4 weights are unsigned already;
-// int8 weights are stored + 128 (u8) and each group subtracts 128 * sum qx.
+// int8 weights are stored + 128 (u8). A group's integer sums start at -offset
+// * sum qx (offset 128 for int8, 8 for Q4_0's int4, 0 with a lo), so the
+// float epilogue per group, row and tile is a convert and one multiply-add
+// (two with group scales, three with lo). That epilogue is what keeps a batch
+// below VPDPBUSD's peak: dropping the lo term took int4 at M = 16-128 from
+// 583-619 to 646-693 GOPS (2-vCPU Zen 4), above Q8_0's 614-652.
 // Weights are packed so no horizontal sums are needed (fbgemm's trick): tile t
 // holds output columns 16 t .. 16 t + 15, and each 64-byte chunk of a tile
 // holds 4 consecutive inputs of its 16 columns (byte 4 j + r: column j), so one
@@ -23,7 +30,7 @@
 //         chunks of 64 bytes, chunk c holding in its low nibbles inputs 32g + 4c ..
 //         32g + 4c + 3 and in its high nibbles the 16 after them (a row's GGUF
 //         bytes tiled the way int8's are), then the group's 16 fp16 scales and 16
-//         fp16 lo. One stream per tile: with scales and lo in two arrays beside it
+//         fp16 lo; Q4_0's blocks are 288 bytes, without lo. One stream per tile: with scales and lo in two arrays beside it
 //         a single row's matvec kept 12 streams in flight per thread and read a
 //         DRAM-sized [32768, 4096] int4 weight at 36-39 GB/s (int8: 43-46); with
 //         them inside, 43-47 (int8 48-54 in that run), and a 1.66B Q4_0 decode
@@ -71,9 +78,13 @@ inline void int8_quantize_row(const float* r, int64_t K, int8_t* q, float* scale
   }
 }
 
+// The tile formats (see the top of this file).
+enum class TileFormat { kInt8, kInt4, kInt4Sym };
+
 // A quantized weight as the tile kernel reads it: int8 (w_scale [16 tiles],
-// gs optional) or int4 (its scales and lo inside packed).
+// gs optional) or int4 (its scales, and lo unless kInt4Sym, inside packed).
 struct TileWeight {
+  TileFormat format;
   const uint8_t* packed;
   const float* w_scale;  // int8 only
   const uint16_t* gs;    // int8 only: fp16 [tiles, G, 16], or nullptr (no group scales)
@@ -81,13 +92,20 @@ struct TileWeight {
 };
 
 // An int4 tile's bytes per group: 32 inputs x 16 columns of nibbles, 16 fp16
-// scales, 16 fp16 lo.
+// scales, 16 fp16 lo (none with the fixed offset).
 constexpr int64_t kInt4GroupBytes = 256 + 32 + 32;
+constexpr int64_t kInt4SymGroupBytes = 256 + 32;
+
+template <TileFormat F>
+constexpr int64_t group_bytes() {
+  return F == TileFormat::kInt8 ? kInt8Group * 16
+                                : F == TileFormat::kInt4 ? kInt4GroupBytes : kInt4SymGroupBytes;
+}
 
 // Bytes of one tile of 16 outputs over kp inputs.
-template <bool kInt4>
+template <TileFormat F>
 constexpr int64_t tile_bytes(int64_t kp) {
-  return kInt4 ? kp / kInt8Group * kInt4GroupBytes : kp * 16;
+  return kp / kInt8Group * group_bytes<F>();
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -99,12 +117,15 @@ constexpr int64_t tile_bytes(int64_t kp) {
 //
 // pf, when set, is a share of the next tiles' bytes to bring into cache while
 // this block multiplies: pf_group bytes of it per group (see quant_tiles).
-template <bool kInt4, int MR, int NT>
+template <TileFormat F, int MR, int NT>
 inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, int64_t kp,
                         int64_t m0, const TileWeight& w, int64_t t0, int64_t nt,
                         const float* bias, bool accumulate, float* out, int64_t os,
                         const uint8_t* pf = nullptr, int64_t pf_group = 0) {
-  const int64_t G = kp / kInt8Group, tb = tile_bytes<kInt4>(kp);
+  constexpr bool kInt4 = F != TileFormat::kInt8;
+  constexpr int64_t GB = group_bytes<F>();
+  constexpr int kOffset = F == TileFormat::kInt8 ? 128 : F == TileFormat::kInt4Sym ? 8 : 0;
+  const int64_t G = kp / kInt8Group, tb = tile_bytes<F>(kp);
   const __m512i low4 = _mm512_set1_epi8(15);
   int64_t tile[NT];
   const uint8_t* wt[NT];
@@ -125,13 +146,15 @@ inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, int
     for (int64_t o = 0; o < pf_group; o += 64)
       _mm_prefetch(reinterpret_cast<const char*>(pf + g * pf_group + o), _MM_HINT_T1);
     __m512i acc[MR][NT];
-    for (int i = 0; i < MR; i++)
-      for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_si512();
+    for (int i = 0; i < MR; i++) {
+      const __m512i init = _mm512_set1_epi32(-kOffset * qs[(m0 + i) * G + g]);
+      for (int j = 0; j < NT; j++) acc[i][j] = init;
+    }
     if constexpr (kInt4) {
       for (int64_t c = 0; c < 4; c++) {
         __m512i lw[NT], hw[NT];
         for (int j = 0; j < NT; j++) {
-          const __m512i r = _mm512_loadu_si512(wt[j] + g * kInt4GroupBytes + c * 64);
+          const __m512i r = _mm512_loadu_si512(wt[j] + g * GB + c * 64);
           lw[j] = _mm512_and_si512(r, low4);
           hw[j] = _mm512_and_si512(_mm512_srli_epi16(r, 4), low4);
         }
@@ -155,29 +178,24 @@ inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, int
     auto fp16x16 = [](const void* p) {
       return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     };
+    const bool scaled = kInt4 || w.gs;  // group scales (int8's are optional)
     __m512 gv[NT], lv[NT];
     for (int j = 0; j < NT; j++) {
-      if constexpr (kInt4) {
-        gv[j] = fp16x16(wt[j] + g * kInt4GroupBytes + 256);
-        lv[j] = fp16x16(wt[j] + g * kInt4GroupBytes + 288);
-      } else {
+      if constexpr (kInt4)
+        gv[j] = fp16x16(wt[j] + g * GB + 256);
+      else
         gv[j] = w.gs ? fp16x16(w.gs + (tile[j] * G + g) * 16) : _mm512_set1_ps(1.f);
-      }
+      if constexpr (F == TileFormat::kInt4) lv[j] = fp16x16(wt[j] + g * GB + 288);
     }
     for (int i = 0; i < MR; i++) {
       const int64_t mg = (m0 + i) * G + g;
       const __m512 sv = _mm512_set1_ps(xs[mg]);
       for (int j = 0; j < NT; j++) {
-        if constexpr (kInt4) {
-          facc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][j]),
-                                       _mm512_mul_ps(sv, gv[j]), facc[i][j]);
+        facc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][j]),
+                                     scaled ? _mm512_mul_ps(sv, gv[j]) : sv, facc[i][j]);
+        if constexpr (F == TileFormat::kInt4)
           facc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(xs[mg] * static_cast<float>(qs[mg])),
                                        lv[j], facc[i][j]);
-        } else {
-          const __m512i corr = _mm512_set1_epi32(128 * qs[mg]);
-          facc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], corr)),
-                                       w.gs ? _mm512_mul_ps(sv, gv[j]) : sv, facc[i][j]);
-        }
       }
     }
   }
@@ -187,7 +205,7 @@ inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, int
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
     for (int i = 0; i < MR; i++) {
       __m512 v = facc[i][j];
-      if constexpr (!kInt4) v = _mm512_mul_ps(v, _mm512_loadu_ps(w.w_scale + n0));
+      if constexpr (F == TileFormat::kInt8) v = _mm512_mul_ps(v, _mm512_loadu_ps(w.w_scale + n0));
       float* o = out + (m0 + i) * os + n0;
       if (bias) v = _mm512_add_ps(v, bv);
       if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, o), v);
@@ -200,13 +218,13 @@ inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, int
 // (scales xs and sums qs [M, kp / 32]): out[m, n] = y (+ bias[n]) (+ out[m, n]
 // when accumulate). Batches: a tile pair stays in L1/L2 while blocks of 4 rows
 // pass it; one row: kOneRowTiles tiles at a time.
-template <bool kInt4>
+template <TileFormat F>
 inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, int64_t kp, int64_t M,
                         const TileWeight& w, int64_t tile0, int64_t tile1, const float* bias,
                         bool accumulate, float* out, int64_t os) {
   if (M == 1) {
     for (int64_t t0 = tile0; t0 < tile1; t0 += kOneRowTiles)
-      quant_block<kInt4, 1, kOneRowTiles>(q, xs, qs, kp, 0, w, t0,
+      quant_block<F, 1, kOneRowTiles>(q, xs, qs, kp, 0, w, t0,
                                           std::min<int64_t>(kOneRowTiles, tile1 - t0), bias,
                                           accumulate, out, os);
     return;
@@ -217,7 +235,7 @@ inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, int
   // model's layers cycled through (DRAM, not L3) at M = 16 on a 2-vCPU Zen 4:
   // int8 gate_up 487 -> 601 GOPS, int4 536 -> 609 (M = 8: 393 -> 463, 477 ->
   // 596); 16 requests of 128 + 128 tokens 72.4 -> 77.5 tok/s (Q8_0).
-  const int64_t tb = tile_bytes<kInt4>(kp), G = kp / kInt8Group, blocks = (M + 3) / 4;
+  const int64_t tb = tile_bytes<F>(kp), G = kp / kInt8Group, blocks = (M + 3) / 4;
   const int64_t pf_group = (2 * tb / G / blocks + 63) / 64 * 64;
   for (int64_t t0 = tile0; t0 < tile1; t0 += 2) {
     const int64_t nt = std::min<int64_t>(2, tile1 - t0);
@@ -231,20 +249,20 @@ inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, int
     int64_t m0 = 0;
     for (; m0 + kInt8RowBlock <= M; m0 += kInt8RowBlock) {
       const auto [p, pg] = pf(m0);
-      quant_block<kInt4, kInt8RowBlock, 2>(q, xs, qs, kp, m0, w, t0, nt, bias, accumulate, out,
-                                           os, p, pg);
+      quant_block<F, kInt8RowBlock, 2>(q, xs, qs, kp, m0, w, t0, nt, bias, accumulate, out, os,
+                                       p, pg);
     }
     static_assert(kInt8RowBlock == 4, "the tail below covers 1 to 3 rows");
     const auto [p, pg] = pf(m0);
     switch (M - m0) {
       case 3:
-        quant_block<kInt4, 3, 2>(q, xs, qs, kp, m0, w, t0, nt, bias, accumulate, out, os, p, pg);
+        quant_block<F, 3, 2>(q, xs, qs, kp, m0, w, t0, nt, bias, accumulate, out, os, p, pg);
         break;
       case 2:
-        quant_block<kInt4, 2, 2>(q, xs, qs, kp, m0, w, t0, nt, bias, accumulate, out, os, p, pg);
+        quant_block<F, 2, 2>(q, xs, qs, kp, m0, w, t0, nt, bias, accumulate, out, os, p, pg);
         break;
       case 1:
-        quant_block<kInt4, 1, 2>(q, xs, qs, kp, m0, w, t0, nt, bias, accumulate, out, os, p, pg);
+        quant_block<F, 1, 2>(q, xs, qs, kp, m0, w, t0, nt, bias, accumulate, out, os, p, pg);
         break;
       default:
         break;
@@ -254,17 +272,20 @@ inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, int
 
 #else
 // The same integers without VNNI.
-template <bool kInt4>
+template <TileFormat F>
 inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, int64_t kp, int64_t M,
                         const TileWeight& w, int64_t tile0, int64_t tile1, const float* bias,
                         bool accumulate, float* out, int64_t os) {
-  const int64_t G = kp / kInt8Group, tb = tile_bytes<kInt4>(kp);
+  constexpr bool kInt4 = F != TileFormat::kInt8;
+  constexpr int64_t GB = group_bytes<F>();
+  constexpr int kOffset = F == TileFormat::kInt8 ? 128 : F == TileFormat::kInt4Sym ? 8 : 0;
+  const int64_t G = kp / kInt8Group, tb = tile_bytes<F>(kp);
   for (int64_t t = tile0; t < tile1; t++) {
     const uint8_t* wt = w.packed + t * tb;
     auto weight = [&](int64_t k, int64_t j) -> int32_t {  // input k, column j (int8: + 128)
       if constexpr (kInt4) {
         const int64_t g = k / 32, h = k % 32;
-        const uint8_t b = wt[g * kInt4GroupBytes + ((h % 16) / 4) * 64 + j * 4 + k % 4];
+        const uint8_t b = wt[g * GB + ((h % 16) / 4) * 64 + j * 4 + k % 4];
         return h < 16 ? (b & 15) : (b >> 4);
       } else {
         return wt[(k / 4) * 64 + j * 4 + k % 4];
@@ -272,7 +293,7 @@ inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, int
     };
     auto int4_group = [&](int64_t g, int64_t off, int64_t j) {  // scale (0) or lo (32)
       uint16_t h;
-      std::memcpy(&h, wt + g * kInt4GroupBytes + 256 + off + 2 * j, 2);
+      std::memcpy(&h, wt + g * GB + 256 + off + 2 * j, 2);
       return half_to_float(h);
     };
     for (int64_t m = 0; m < M; m++) {
@@ -283,13 +304,11 @@ inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, int
           for (int64_t j = 0; j < 16; j++) acc[j] += weight(k, j) * q[m * kp + k];
         const int64_t mg = m * G + g;
         for (int64_t j = 0; j < 16; j++) {
-          if constexpr (kInt4) {
-            facc[j] += static_cast<float>(acc[j]) * xs[mg] * int4_group(g, 0, j) +
-                       xs[mg] * static_cast<float>(qs[mg]) * int4_group(g, 32, j);
-          } else {
-            const float gsv = w.gs ? half_to_float(w.gs[(t * G + g) * 16 + j]) : 1.f;
-            facc[j] += static_cast<float>(acc[j] - 128 * qs[mg]) * xs[mg] * gsv;
-          }
+          const float gsv = kInt4 ? int4_group(g, 0, j)
+                                  : w.gs ? half_to_float(w.gs[(t * G + g) * 16 + j]) : 1.f;
+          facc[j] += static_cast<float>(acc[j] - kOffset * qs[mg]) * xs[mg] * gsv;
+          if constexpr (F == TileFormat::kInt4)
+            facc[j] += xs[mg] * static_cast<float>(qs[mg]) * int4_group(g, 32, j);
         }
       }
       const int64_t n0 = t * 16;
@@ -313,7 +332,8 @@ inline bool tile_groups_ok(const at::Tensor& t, int64_t tiles, int64_t kp) {
 
 // Checks a tiled weight's tensors against an [N, K] matmul: int8 (packed
 // [tiles, kp / 4, 16, 4], w_scale float32 [16 tiles], group scales or empty) or
-// int4 (packed [tiles, K / 32, 320] with its scales and lo; a and b empty).
+// int4 (packed [tiles, K / 32, 320] with its scales and lo, or [.., 288] with
+// its scales for the fixed offset 8; a and b empty).
 inline void check_tiles(bool int4, const at::Tensor& packed, const at::Tensor& a,
                         const at::Tensor& b, int64_t N, int64_t K, const char* name) {
   const int64_t tiles = (N + 15) / 16, kp = (K + kInt8Group - 1) / kInt8Group * kInt8Group;
@@ -321,7 +341,8 @@ inline void check_tiles(bool int4, const at::Tensor& packed, const at::Tensor& a
             packed.scalar_type() == at::kByte && packed.size(0) == tiles;
   if (int4)
     ok = ok && K % kInt8Group == 0 && packed.dim() == 3 && packed.size(1) * kInt8Group == K &&
-         packed.size(2) == kInt4GroupBytes && a.numel() == 0 && b.numel() == 0;
+         (packed.size(2) == kInt4GroupBytes || packed.size(2) == kInt4SymGroupBytes) &&
+         a.numel() == 0 && b.numel() == 0;
   else
     ok = ok && packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 4 &&
          packed.size(1) * 4 == kp && a.scalar_type() == at::kFloat && a.is_contiguous() &&
@@ -330,10 +351,15 @@ inline void check_tiles(bool int4, const at::Tensor& packed, const at::Tensor& a
               " x ", K, " weight (tandem.model.linear's layout)");
 }
 
+// A checked weight's format follows from its tensors: int4 tiles without lo
+// are 288 bytes a group.
 inline TileWeight tile_weight(bool int4, const at::Tensor& packed, const at::Tensor& a,
                               const at::Tensor& b, int64_t N) {
-  if (int4) return {packed.data_ptr<uint8_t>(), nullptr, nullptr, N};
-  return {packed.data_ptr<uint8_t>(), a.data_ptr<float>(), b.numel() ? half_ptr(b) : nullptr, N};
+  if (int4)
+    return {packed.size(2) == kInt4SymGroupBytes ? TileFormat::kInt4Sym : TileFormat::kInt4,
+            packed.data_ptr<uint8_t>(), nullptr, nullptr, N};
+  return {TileFormat::kInt8, packed.data_ptr<uint8_t>(), a.data_ptr<float>(),
+          b.numel() ? half_ptr(b) : nullptr, N};
 }
 
 // Rows x [M, K] quantized for the tile kernel: q [M, kp], group scales and sums [M, kp / 32].
@@ -362,14 +388,20 @@ struct QuantizedRows {
   }
 
   // Outputs of tiles [tile0, tile1) of weight w into out (see quant_tiles).
-  void apply(bool int4, const TileWeight& w, int64_t tile0, int64_t tile1, const float* bias,
+  void apply(const TileWeight& w, int64_t tile0, int64_t tile1, const float* bias,
              bool accumulate, float* out, int64_t os) const {
-    if (int4)
-      quant_tiles<true>(q.data(), xs.data(), qs.data(), kp, M, w, tile0, tile1, bias, accumulate,
-                        out, os);
-    else
-      quant_tiles<false>(q.data(), xs.data(), qs.data(), kp, M, w, tile0, tile1, bias,
-                         accumulate, out, os);
+    auto run = [&](auto format) {
+      quant_tiles<decltype(format)::value>(q.data(), xs.data(), qs.data(), kp, M, w, tile0, tile1,
+                                           bias, accumulate, out, os);
+    };
+    switch (w.format) {
+      case TileFormat::kInt8:
+        return run(std::integral_constant<TileFormat, TileFormat::kInt8>{});
+      case TileFormat::kInt4:
+        return run(std::integral_constant<TileFormat, TileFormat::kInt4>{});
+      case TileFormat::kInt4Sym:
+        return run(std::integral_constant<TileFormat, TileFormat::kInt4Sym>{});
+    }
   }
 };
 
@@ -386,7 +418,7 @@ at::Tensor quant_linear(bool int4, const at::Tensor& x, const at::Tensor& packed
   QuantizedRows rows;
   rows.quantize(x.data_ptr<float>(), x.stride(0), M, K, true);
   at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t b0, int64_t e) {
-    rows.apply(int4, w, b0 * 2, std::min(e * 2, tiles), nullptr, false, out.data_ptr<float>(), N);
+    rows.apply(w, b0 * 2, std::min(e * 2, tiles), nullptr, false, out.data_ptr<float>(), N);
   });
   return out;
 }

@@ -22,7 +22,7 @@ struct StepInput {
 struct StepMatmul {
   WeightKind kind;
   // dense: w [N, K] (a, b unused); int8: packed, w_scale, group scales (b, empty when
-  // none); int4: packed, with its scales and lo (a, b empty).
+  // none); int4: packed, with its scales and lo or none (a, b empty).
   at::Tensor w, a, b;
   int64_t N, K;
 
@@ -54,9 +54,8 @@ struct StepMatmul {
       matvec(w.data_ptr<float>(), K, in.x, in.xs, in.M, n0, n1, bias, accumulate, out, os);
       return;
     }
-    const bool int4 = kind == WeightKind::kInt4;
-    in.rows.apply(int4, tile_weight(int4, w, a, b, N), n0 / 16, (n1 + 15) / 16, bias, accumulate,
-                  out, os);
+    in.rows.apply(tile_weight(kind == WeightKind::kInt4, w, a, b, N), n0 / 16, (n1 + 15) / 16,
+                  bias, accumulate, out, os);
   }
 };
 
