@@ -11,6 +11,8 @@ for any config.json, so large configs can be benchmarked without weights.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import logging
 import sys
@@ -139,6 +141,29 @@ class DummyWeights:
 
 
 WeightSource = GGUFWeights | SafetensorsWeights | DummyWeights
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None (another C library)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the OS.
+
+    Building a layer frees its temporaries (a tensor's file bytes, fp32
+    copies, quantizer chunks) between the packed weights it keeps, and glibc
+    holds such holes in its heap: a 1.66B F16 GGUF quantized to int8 ended its
+    load at 1.43x (weights + KV pool) resident, 1.09x with them released
+    after each layer.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 class _Progress:
@@ -282,6 +307,7 @@ def fuse_weights(
             w["q_norm"] = put(take(a + "q_norm.weight"))
             w["k_norm"] = put(take(a + "k_norm.weight"))
         layers.append(w)
+        release_free_memory()
         progress.step()
     progress.close()
     return {"embed": embed, "norm": put(take("model.norm.weight")), "lm_head": lm_head,
