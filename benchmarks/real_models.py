@@ -63,6 +63,7 @@ from synthetic_gguf import synthetic_gguf
 
 TANDEM = str(Path(sys.executable).parent / "tandem")
 DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
+QUANT_LEVELS = frozenset({"INT8", "Q8_0", "Q4_0", "Q4_1"})  # tandem.model.linear.quantization_level
 KV_LOG = re.compile(r"KV cache \([^)]*\): .*?\(([\d.]+) GiB\)")
 
 
@@ -229,9 +230,13 @@ def read_per_token(served: int, level: str, info: FileInfo) -> tuple[int, str]:
     """Bytes a decode step streams: the server's resident weights (/api/ps size, the
     engine's model.nbytes) minus the token embedding and the norms as the engine holds
     them: at the engine dtype (level) for dense weights, in fp16 for quantized ones (the
-    loader keeps a quantized model's embedding in fp16 for the row lookup; a model is
-    quantized when it holds fewer bytes than its matmul params at the engine dtype).
-    Without a dtype we know, the GGUF's matmul tensor bytes."""
+    loader keeps a quantized model's embedding in fp16 for the row lookup, its norms in
+    fp32; a model is quantized when its level is a quantized one or it holds fewer bytes
+    than its matmul params at the engine dtype). Without a level we know, the GGUF's
+    matmul tensor bytes."""
+    if level in QUANT_LEVELS:
+        return (served - info.embed_elems * 2 - info.norm_elems * 4,
+                f"/api/ps size less fp16 embedding and norms: {level}")
     dense_bytes = DTYPE_BYTES.get(level)
     if dense_bytes is None:
         return info.file_read_per_token, "GGUF tensors"
