@@ -17,10 +17,11 @@
 // VNNI multiplies unsigned by signed bytes: int4 weights are unsigned already;
 // int8 weights are stored + 128 (u8). A group's integer sums start at -offset
 // * sum qx (offset 128 for int8, 8 for Q4_0's int4, 0 with a lo), so the
-// float epilogue per group, row and tile is a convert and one multiply-add
-// (two with group scales, three with lo). That epilogue is what keeps a batch
-// below VPDPBUSD's peak: dropping the lo term took int4 at M = 16-128 from
-// 583-619 to 646-693 GOPS (2-vCPU Zen 4), above Q8_0's 614-652.
+// float epilogue per group, row and tile is a convert and a multiply-add, plus
+// a multiply with group scales and a second multiply-add with lo. That
+// epilogue is what keeps a batch below VPDPBUSD's peak: dropping the lo term
+// took int4 at M = 16-128 from 583-619 to 646-693 GOPS (2-vCPU Zen 4), above
+// Q8_0's 614-652.
 // Weights are packed so no horizontal sums are needed (fbgemm's trick): tile t
 // holds output columns 16 t .. 16 t + 15, and each 64-byte chunk of a tile
 // holds 4 consecutive inputs of its 16 columns (byte 4 j + r: column j), so one
@@ -30,17 +31,19 @@
 //         chunks of 64 bytes, chunk c holding in its low nibbles inputs 32g + 4c ..
 //         32g + 4c + 3 and in its high nibbles the 16 after them (a row's GGUF
 //         bytes tiled the way int8's are), then the group's 16 fp16 scales and 16
-//         fp16 lo; Q4_0's blocks are 288 bytes, without lo. One stream per tile: with scales and lo in two arrays beside it
-//         a single row's matvec kept 12 streams in flight per thread and read a
-//         DRAM-sized [32768, 4096] int4 weight at 36-39 GB/s (int8: 43-46); with
-//         them inside, 43-47 (int8 48-54 in that run), and a 1.66B Q4_0 decode
-//         step went from 31-32 to 22.5-30 ms (8B: 89-93 -> 89 ms, DRAM-bound).
+//         fp16 lo (Q4_0's blocks: 288 bytes, no lo). One stream per tile: with
+//         scales and lo in two arrays beside it a single row's matvec kept 12
+//         streams in flight per thread and read a DRAM-sized [32768, 4096] int4
+//         weight at 36-39 GB/s (int8: 43-46); with them inside, 43-47 (int8
+//         48-54 in that run), and a 1.66B Q4_0 decode step went from 31-32 to
+//         22.5-30 ms (8B: 89-93 -> 89 ms, DRAM-bound).
 // int8's group scales (Q8_0) are fp16 [tiles, G, 16], each tile's together.
 // Batch 1 streams the weights at memory speed (int4 reads half of int8's
-// bytes); batches keep a tile pair in L1 while 4 rows of x at a time pass it.
+// bytes); batches keep a tile pair in L2 while 4 rows of x at a time pass it.
 // On a 2-vCPU Zen 4 (VPDPBUSD peak ~930 GOPS for both threads) a [16384, 2048]
 // int8 weight runs at ~700 GOPS at M = 128 (torch._int_mm, without group
-// scales: ~680), int4 at ~600: the per-group float epilogue shares the pipes.
+// scales: ~680), int4 at ~600 (Q4_0 ~680): the per-group float epilogue
+// shares the pipes.
 // Without VNNI a portable loop computes the same integers.
 #pragma once
 
@@ -79,10 +82,10 @@ inline void int8_quantize_row(const float* r, int64_t K, int8_t* q, float* scale
 }
 
 // The tile formats (see the top of this file).
-enum class TileFormat { kInt8, kInt4, kInt4Sym };
+enum class TileFormat { kInt8, kInt4, kInt4Offset8 };
 
 // A quantized weight as the tile kernel reads it: int8 (w_scale [16 tiles],
-// gs optional) or int4 (its scales, and lo unless kInt4Sym, inside packed).
+// gs optional) or int4 (its scales, and lo unless kInt4Offset8, inside packed).
 struct TileWeight {
   TileFormat format;
   const uint8_t* packed;
@@ -94,12 +97,19 @@ struct TileWeight {
 // An int4 tile's bytes per group: 32 inputs x 16 columns of nibbles, 16 fp16
 // scales, 16 fp16 lo (none with the fixed offset).
 constexpr int64_t kInt4GroupBytes = 256 + 32 + 32;
-constexpr int64_t kInt4SymGroupBytes = 256 + 32;
+constexpr int64_t kInt4Offset8GroupBytes = 256 + 32;
 
 template <TileFormat F>
 constexpr int64_t group_bytes() {
   return F == TileFormat::kInt8 ? kInt8Group * 16
-                                : F == TileFormat::kInt4 ? kInt4GroupBytes : kInt4SymGroupBytes;
+                                : F == TileFormat::kInt4 ? kInt4GroupBytes : kInt4Offset8GroupBytes;
+}
+
+// What the stored weights exceed the true ones by, in units of their scale
+// (int8: + 128 to make them u8; Q4_0: 8), subtracted from each group's sums.
+template <TileFormat F>
+constexpr int32_t weight_offset() {
+  return F == TileFormat::kInt8 ? 128 : F == TileFormat::kInt4Offset8 ? 8 : 0;
 }
 
 // Bytes of one tile of 16 outputs over kp inputs.
@@ -124,7 +134,6 @@ inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, int
                         const uint8_t* pf = nullptr, int64_t pf_group = 0) {
   constexpr bool kInt4 = F != TileFormat::kInt8;
   constexpr int64_t GB = group_bytes<F>();
-  constexpr int kOffset = F == TileFormat::kInt8 ? 128 : F == TileFormat::kInt4Sym ? 8 : 0;
   const int64_t G = kp / kInt8Group, tb = tile_bytes<F>(kp);
   const __m512i low4 = _mm512_set1_epi8(15);
   int64_t tile[NT];
@@ -147,7 +156,7 @@ inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, int
       _mm_prefetch(reinterpret_cast<const char*>(pf + g * pf_group + o), _MM_HINT_T1);
     __m512i acc[MR][NT];
     for (int i = 0; i < MR; i++) {
-      const __m512i init = _mm512_set1_epi32(-kOffset * qs[(m0 + i) * G + g]);
+      const __m512i init = _mm512_set1_epi32(-weight_offset<F>() * qs[(m0 + i) * G + g]);
       for (int j = 0; j < NT; j++) acc[i][j] = init;
     }
     if constexpr (kInt4) {
@@ -225,8 +234,8 @@ inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, int
   if (M == 1) {
     for (int64_t t0 = tile0; t0 < tile1; t0 += kOneRowTiles)
       quant_block<F, 1, kOneRowTiles>(q, xs, qs, kp, 0, w, t0,
-                                          std::min<int64_t>(kOneRowTiles, tile1 - t0), bias,
-                                          accumulate, out, os);
+                                      std::min<int64_t>(kOneRowTiles, tile1 - t0), bias,
+                                      accumulate, out, os);
     return;
   }
   // A batch reads each tile pair from memory in its first row block and from
@@ -278,7 +287,6 @@ inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, int
                         bool accumulate, float* out, int64_t os) {
   constexpr bool kInt4 = F != TileFormat::kInt8;
   constexpr int64_t GB = group_bytes<F>();
-  constexpr int kOffset = F == TileFormat::kInt8 ? 128 : F == TileFormat::kInt4Sym ? 8 : 0;
   const int64_t G = kp / kInt8Group, tb = tile_bytes<F>(kp);
   for (int64_t t = tile0; t < tile1; t++) {
     const uint8_t* wt = w.packed + t * tb;
@@ -306,7 +314,7 @@ inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, int
         for (int64_t j = 0; j < 16; j++) {
           const float gsv = kInt4 ? int4_group(g, 0, j)
                                   : w.gs ? half_to_float(w.gs[(t * G + g) * 16 + j]) : 1.f;
-          facc[j] += static_cast<float>(acc[j] - kOffset * qs[mg]) * xs[mg] * gsv;
+          facc[j] += static_cast<float>(acc[j] - weight_offset<F>() * qs[mg]) * xs[mg] * gsv;
           if constexpr (F == TileFormat::kInt4)
             facc[j] += xs[mg] * static_cast<float>(qs[mg]) * int4_group(g, 32, j);
         }
@@ -341,7 +349,7 @@ inline void check_tiles(bool int4, const at::Tensor& packed, const at::Tensor& a
             packed.scalar_type() == at::kByte && packed.size(0) == tiles;
   if (int4)
     ok = ok && K % kInt8Group == 0 && packed.dim() == 3 && packed.size(1) * kInt8Group == K &&
-         (packed.size(2) == kInt4GroupBytes || packed.size(2) == kInt4SymGroupBytes) &&
+         (packed.size(2) == kInt4GroupBytes || packed.size(2) == kInt4Offset8GroupBytes) &&
          a.numel() == 0 && b.numel() == 0;
   else
     ok = ok && packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 4 &&
@@ -356,7 +364,7 @@ inline void check_tiles(bool int4, const at::Tensor& packed, const at::Tensor& a
 inline TileWeight tile_weight(bool int4, const at::Tensor& packed, const at::Tensor& a,
                               const at::Tensor& b, int64_t N) {
   if (int4)
-    return {packed.size(2) == kInt4SymGroupBytes ? TileFormat::kInt4Sym : TileFormat::kInt4,
+    return {packed.size(2) == kInt4Offset8GroupBytes ? TileFormat::kInt4Offset8 : TileFormat::kInt4,
             packed.data_ptr<uint8_t>(), nullptr, nullptr, N};
   return {TileFormat::kInt8, packed.data_ptr<uint8_t>(), a.data_ptr<float>(),
           b.numel() ? half_ptr(b) : nullptr, N};
@@ -399,8 +407,8 @@ struct QuantizedRows {
         return run(std::integral_constant<TileFormat, TileFormat::kInt8>{});
       case TileFormat::kInt4:
         return run(std::integral_constant<TileFormat, TileFormat::kInt4>{});
-      case TileFormat::kInt4Sym:
-        return run(std::integral_constant<TileFormat, TileFormat::kInt4Sym>{});
+      case TileFormat::kInt4Offset8:
+        return run(std::integral_constant<TileFormat, TileFormat::kInt4Offset8>{});
     }
   }
 };
