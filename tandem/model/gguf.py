@@ -554,13 +554,15 @@ class GGUFWeights:
         """The tensor as a float32 torch tensor, or a QuantizedWeight for block formats
         (KeyError when the file has none of that name)."""
         t, heads = self._names.pop(name)
-        buf = bytearray(t.n_bytes)  # writable, so torch can take its arrays as they are
+        # Writable, so torch can take its arrays as they are; np.empty, not a
+        # bytearray, which zeroes its bytes first (a pass over the whole model).
+        buf = np.empty(t.n_bytes, dtype=np.uint8)
         with open(self.src, "rb") as f:
             f.seek(t.data_offset)
             n = f.readinto(buf)
         if n != t.n_bytes:
             raise ValueError(f"{self.src}: tensor {t.name} is truncated")
-        data = np.frombuffer(buf, dtype=t.data.dtype).reshape(t.data.shape)
+        data = buf.view(t.data.dtype).reshape(t.data.shape)
         kind = t.tensor_type.name
         if kind in _BLOCK_DECODERS and len(t.shape) == 2:
             try:

@@ -203,22 +203,31 @@ def quantize_int4(w: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight("int4", packed, scale, lo)
 
 
-def _tile_pack(u8: torch.Tensor, group: int, pad: int) -> torch.Tensor:
+def _tile_pack(u8: torch.Tensor, group: int, flip: int = 0) -> torch.Tensor:
     """uint8 [n, k] -> tiles [ceil(n / 16), kp / 4, 16, 4] (kp: k padded to whole
-    groups of ``group`` bytes with ``pad``): each 64 bytes hold 4 consecutive
-    columns of a tile's 16 rows (tandem/kernels/csrc/quant_linear.h). Tile by tile, so
-    no second full-size temporary."""
+    groups of ``group`` bytes with 0), every byte XORed with ``flip``: each 64
+    bytes hold 4 consecutive columns of a tile's 16 rows
+    (tandem/kernels/csrc/quant_linear.h). Tile by tile, so no second full-size
+    temporary; 4 bytes move as one int32 and the flip rides along (a uint8
+    permute and a separate XOR took 3x as long: packing is seconds of an 8B
+    model's load)."""
     n, k = u8.shape
     tiles, kp = -(-n // 16), -(-k // group) * group
     if (tiles * 16, kp) != (n, k):
-        padded = torch.full((tiles * 16, kp), pad, dtype=torch.uint8)
+        padded = torch.zeros(tiles * 16, kp, dtype=torch.uint8)
         padded[:n, :k] = u8
         u8 = padded
-    packed = torch.empty(tiles, kp // 4, 16, 4, dtype=torch.uint8)
+    words = u8.contiguous().view(torch.int32)  # [tiles * 16, kp / 4]
+    flip32 = torch.tensor([flip] * 4, dtype=torch.uint8).view(torch.int32).item()
+    packed = torch.empty(tiles, kp // 4, 16, dtype=torch.int32)
     step = _CHUNK_ROWS // 16
     for t in range(0, tiles, step):
-        packed[t:t + step] = u8[t * 16:(t + step) * 16].view(-1, 16, kp // 4, 4).permute(0, 2, 1, 3)
-    return packed
+        chunk = words[t * 16:(t + step) * 16].view(-1, 16, kp // 4).transpose(1, 2)
+        if flip:
+            torch.bitwise_xor(chunk, flip32, out=packed[t:t + step])
+        else:
+            packed[t:t + step] = chunk
+    return packed.view(torch.uint8).view(tiles, kp // 4, 16, 4)
 
 
 _NONE = torch.empty(0)  # an unused tensor argument of the C++ decode step
@@ -258,8 +267,8 @@ class Int8Linear(_QuantLinear):
         self._nbytes = out_f * in_f + out_f * 4 + (0 if gs is None else gs.numel() * 2)
         self.kernel = self.cpu and custom_ops.available()
         if self.kernel:
-            # int8 x + 128 as uint8 is x's bits with the top one flipped; padding 128 is 0.
-            self.wpack = _tile_pack(q.view(torch.uint8) ^ 128, INT8_GROUP_SIZE, pad=128)
+            # int8 x + 128 as uint8 is x's bits with the top one flipped (padding 0 too).
+            self.wpack = _tile_pack(q.view(torch.uint8), INT8_GROUP_SIZE, flip=128)
             self.w_scale = torch.zeros(self.wpack.shape[0] * 16)
             self.w_scale[:out_f] = self.scale
             # Group scales come from blocks of 32 (in_features % 32 == 0): no padding.
@@ -313,7 +322,7 @@ class Int4Linear(_QuantLinear):
             # kernel's chunks are those bytes tiled as int8's are (padding 0),
             # each tile's group followed by its fp16 scales and lo (if any), so
             # a tile is one stream (tandem/kernels/csrc/quant_linear.h).
-            nib = _tile_pack(qw.data, INT4_GROUP_SIZE // 2, pad=0)
+            nib = _tile_pack(qw.data, INT4_GROUP_SIZE // 2)
             tiles = nib.shape[0]
             parts = [nib.view(tiles, groups, 256), _tile_groups(qw.scale).view(torch.uint8)]
             if not self.fixed_offset:
