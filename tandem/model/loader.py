@@ -327,7 +327,7 @@ def load_model(
     if load_format == "dummy":
         src = DummyWeights(cfg, dtype, seed)
     elif files.gguf is not None:
-        src = GGUFWeights(files.gguf)
+        src = GGUFWeights(files.gguf, files.dir)
     else:
         src = SafetensorsWeights(files.dir)
     return LlamaModel(cfg, fuse_weights(cfg, src, dtype, device, quantization))

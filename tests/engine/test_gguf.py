@@ -13,6 +13,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -63,8 +64,14 @@ def _assert_same_weights(out: Path, ref: dict[str, torch.Tensor], tied: bool,
     for name, tensor in mine.items():
         assert tensor.dtype == torch.float32, name
         assert torch.equal(tensor, ref[name]), name
-    if src is not None:
-        native = tg.GGUFWeights(src)
+    if src is None:
+        return
+    # Read with the file's metadata parsed, and with the conversion's cached list
+    # of tensors (gguf's reader not opened at all).
+    with mock.patch.object(tg, "_checked", side_effect=AssertionError("parsed")):
+        listed = tg.GGUFWeights(src, out)
+    for native in (tg.GGUFWeights(src), listed):
+        assert native.num_tensors == len(expected)
         for name in expected:
             t = native.pop(name)
             t = t if isinstance(t, torch.Tensor) else t.dequantize()
