@@ -251,7 +251,7 @@ def _convert_unchecked(src: Path, dest: Path, weights: bool) -> None:
     if weights:
         _write_safetensors(dest / "model.safetensors", src, names)
     (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tensors = {hf: [asdict(TensorInfo.of(t)), heads] for hf, (t, heads) in names.items()}
+    tensors = {hf: [asdict(StoredTensor.of(t)), heads] for hf, (t, heads) in names.items()}
     (dest / TENSORS_FILE).write_text(json.dumps(tensors) + "\n")
     gen = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": _eos_ids(reader)}
     gen = {k: v for k, v in gen.items() if v not in (None, [])}
@@ -508,11 +508,11 @@ def _write_safetensors(path: Path, src: Path, names: dict) -> None:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for t, heads in names.values():
-            w = _dequantized(src, TensorInfo.of(t), heads, t.data)
+            w = _dequantized(src, StoredTensor.of(t), heads, t.data)
             f.write(np.ascontiguousarray(w, dtype="<f4").data)
 
 
-def _dequantized(src: Path, t: TensorInfo, heads: int | None, data: np.ndarray) -> np.ndarray:
+def _dequantized(src: Path, t: StoredTensor, heads: int | None, data: np.ndarray) -> np.ndarray:
     """Tensor t (its stored array: data) as fp32 [rows, cols] (HF's orientation),
     Q/K rows unpermuted."""
     from gguf import GGMLQuantizationType
@@ -536,7 +536,7 @@ TENSORS_FILE = "gguf_tensors.json"  # beside config.json in gguf_to_hf_dir's dir
 
 
 @dataclass(frozen=True)
-class TensorInfo:
+class StoredTensor:
     """Where a tensor lies in its GGUF and how it is stored: what reading it takes,
     without gguf's reader (which parses every metadata array, the vocabulary's
     too: 8.4 s for a Llama-3-sized one, so the conversion caches these)."""
@@ -550,7 +550,7 @@ class TensorInfo:
     data_shape: list[int]
 
     @classmethod
-    def of(cls, t) -> TensorInfo:
+    def of(cls, t) -> StoredTensor:
         """From gguf's ReaderTensor."""
         return cls(t.name, t.tensor_type.name, [int(d) for d in t.shape], int(t.data_offset),
                    int(t.n_bytes), t.data.dtype.str, [int(d) for d in t.data.shape])
@@ -571,14 +571,14 @@ class GGUFWeights:
         self.src = src
         listed = None if converted is None else converted / TENSORS_FILE
         if listed is not None and listed.is_file():
-            self._names = {hf: (TensorInfo(**t), heads)
+            self._names = {hf: (StoredTensor(**t), heads)
                            for hf, (t, heads) in json.loads(listed.read_text()).items()}
         else:
             try:
                 _, _, names = _checked(src)
             except _BadMetadata as e:
                 raise ValueError(f"{src} is not a valid GGUF file: {e}") from e
-            self._names = {hf: (TensorInfo.of(t), heads) for hf, (t, heads) in names.items()}
+            self._names = {hf: (StoredTensor.of(t), heads) for hf, (t, heads) in names.items()}
         # Are the 2-D weights stored quantized (then --quantization auto keeps them so)?
         self.quantized = any(len(t.shape) == 2 and t.type not in _FLOAT_TYPES
                              for t, _ in self._names.values())
