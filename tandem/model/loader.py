@@ -148,7 +148,7 @@ def _malloc_trim():
     """glibc's malloc_trim, or None (another C library)."""
     try:
         return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: no CDLL(None) on Windows
         return None
 
 
