@@ -223,10 +223,7 @@ def _tile_pack(u8: torch.Tensor, group: int, flip: int = 0) -> torch.Tensor:
     step = _CHUNK_ROWS // 16
     for t in range(0, tiles, step):
         chunk = words[t * 16:(t + step) * 16].view(-1, 16, kp // 4).transpose(1, 2)
-        if flip:
-            torch.bitwise_xor(chunk, flip32, out=packed[t:t + step])
-        else:
-            packed[t:t + step] = chunk
+        torch.bitwise_xor(chunk, flip32, out=packed[t:t + step])
     return packed.view(torch.uint8).view(tiles, kp // 4, 16, 4)
 
 

@@ -225,7 +225,7 @@ inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, int
 
 // Outputs of tiles [tile0, tile1) (16 each) for M quantized rows q [M, kp]
 // (scales xs and sums qs [M, kp / 32]): out[m, n] = y (+ bias[n]) (+ out[m, n]
-// when accumulate). Batches: a tile pair stays in L1/L2 while blocks of 4 rows
+// when accumulate). Batches: a tile pair stays in L2 while blocks of 4 rows
 // pass it; one row: kOneRowTiles tiles at a time.
 template <TileFormat F>
 inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, int64_t kp, int64_t M,
@@ -244,14 +244,15 @@ inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, int
   // model's layers cycled through (DRAM, not L3) at M = 16 on a 2-vCPU Zen 4:
   // int8 gate_up 487 -> 601 GOPS, int4 536 -> 609 (M = 8: 393 -> 463, 477 ->
   // 596); 16 requests of 128 + 128 tokens 72.4 -> 77.5 tok/s (Q8_0).
-  const int64_t tb = tile_bytes<F>(kp), G = kp / kInt8Group, blocks = (M + 3) / 4;
+  const int64_t tb = tile_bytes<F>(kp), G = kp / kInt8Group;
+  const int64_t blocks = (M + kInt8RowBlock - 1) / kInt8RowBlock;
   const int64_t pf_group = (2 * tb / G / blocks + 63) / 64 * 64;
   for (int64_t t0 = tile0; t0 < tile1; t0 += 2) {
     const int64_t nt = std::min<int64_t>(2, tile1 - t0);
     const uint8_t* next = t0 + 2 < tile1 ? w.packed + (t0 + 2) * tb : nullptr;
     const int64_t pf_left = next ? std::min<int64_t>(2, tile1 - t0 - 2) * tb : 0;
     auto pf = [&](int64_t m0) -> std::pair<const uint8_t*, int64_t> {
-      const int64_t off = m0 / 4 * pf_group * G;  // this block's share
+      const int64_t off = m0 / kInt8RowBlock * pf_group * G;  // this block's share
       if (!next || off >= pf_left) return {nullptr, 0};
       return {next + off, std::min(pf_group, (pf_left - off) / G / 64 * 64)};
     };
