@@ -1,11 +1,14 @@
-"""CPU weights in transparent huge pages: decode streams them ~4% faster.
+"""CPU weights in transparent huge pages: decode streams them 4-12% faster.
 
 A decode step reads every weight once. In 4 KiB pages that is a TLB miss and
 a hardware-prefetcher restart every 4 KiB; Linux backs anonymous memory
 advised ``MADV_HUGEPAGE`` with 2 MiB pages (the common THP setting,
 "madvise", does exactly this), where the prefetcher runs on. Measured on
 the default model's matmul weights (2-core CI machine, one OpenMP team):
-32.4 GB/s in huge pages vs 31.0 GB/s as torch allocates them.
+32.4 GB/s in huge pages vs 31.0 GB/s as torch allocates them. Packed int8
+weights of a 1.66B model's shape cycled through DRAM at batch 1 (a 2-vCPU
+Zen 4 VM): 58 vs 51.5 GB/s; that model's Q8_0 / Q4_0 decode 27.0 -> 27.8 and
+43.3 -> 44.8 tok/s.
 
 Where THP is off or unsupported, the advice is a no-op and the weights are
 simply copied into ordinary anonymous memory.
@@ -13,6 +16,7 @@ simply copied into ordinary anonymous memory.
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -41,9 +45,11 @@ class HugePageArena:
             m.madvise(mmap.MADV_HUGEPAGE)
         return torch.frombuffer(m, dtype=torch.uint8)
 
-    def copy(self, t: torch.Tensor) -> torch.Tensor:
-        """A contiguous copy of CPU tensor ``t`` in the arena."""
-        n = t.numel() * t.element_size()
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A CPU tensor in the arena, zero-filled (fresh anonymous memory)."""
+        n = math.prod(shape) * dtype.itemsize
+        if n == 0:
+            return torch.empty(shape, dtype=dtype)
         if n > self.chunk_bytes:
             dest = self._map(n)
         else:
@@ -51,6 +57,10 @@ class HugePageArena:
                 self._buf, self._used = self._map(self.chunk_bytes), 0
             dest = self._buf[self._used : self._used + n]
             self._used += -(-n // _ALIGN) * _ALIGN
-        out = dest.view(t.dtype).view(t.shape)
+        return dest.view(dtype).view(shape)
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A contiguous copy of CPU tensor ``t`` in the arena."""
+        out = self.empty(tuple(t.shape), t.dtype)
         out.copy_(t)
         return out

@@ -29,6 +29,7 @@ Quantization trades a little quality for fewer bytes read per decode step
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import IntEnum
 
 import torch
@@ -38,6 +39,14 @@ from tandem.kernels import custom_ops
 
 INT4_GROUP_SIZE = 32
 INT8_GROUP_SIZE = 32  # inputs per activation scale (tandem/kernels/csrc/quant_linear.h: kInt8Group)
+
+# Where packed weights are allocated: (shape, dtype) -> an uninitialised CPU
+# tensor (the loader passes a HugePageArena's: decode streams them faster).
+Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+def _torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
 
 
 class WeightKind(IntEnum):
@@ -203,7 +212,8 @@ def quantize_int4(w: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight("int4", packed, scale, lo)
 
 
-def _tile_pack(u8: torch.Tensor, group: int, flip: int = 0) -> torch.Tensor:
+def _tile_pack(u8: torch.Tensor, group: int, flip: int = 0,
+               alloc: Allocator = _torch_empty) -> torch.Tensor:
     """uint8 [n, k] -> tiles [ceil(n / 16), kp / 4, 16, 4] (kp: k padded to whole
     groups of ``group`` bytes with 0), every byte XORed with ``flip``: each 64
     bytes hold 4 consecutive columns of a tile's 16 rows
@@ -219,7 +229,7 @@ def _tile_pack(u8: torch.Tensor, group: int, flip: int = 0) -> torch.Tensor:
         u8 = padded
     words = u8.contiguous().view(torch.int32)  # [tiles * 16, kp / 4]
     flip32 = torch.tensor([flip] * 4, dtype=torch.uint8).view(torch.int32).item()
-    packed = torch.empty(tiles, kp // 4, 16, dtype=torch.int32)
+    packed = alloc((tiles, kp // 4, 16), torch.int32)
     step = _CHUNK_ROWS // 16
     for t in range(0, tiles, step):
         chunk = words[t * 16:(t + step) * 16].view(-1, 16, kp // 4).transpose(1, 2)
@@ -240,8 +250,8 @@ def _tile_groups(v: torch.Tensor) -> torch.Tensor:
 
 
 class Int8Linear(_QuantLinear):
-    def __init__(self, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None
-                 ) -> None:
+    def __init__(self, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None,
+                 alloc: Allocator = _torch_empty) -> None:
         """From a float weight (one fp32 scale per output channel: on the default
         model it measured better than per group and reads fewer bytes) or from
         int8 blocks (exact, e.g. a GGUF's Q8_0)."""
@@ -265,7 +275,7 @@ class Int8Linear(_QuantLinear):
         self.kernel = self.cpu and custom_ops.available()
         if self.kernel:
             # int8 x + 128 as uint8 is x's bits with the top one flipped (padding 0 too).
-            self.wpack = _tile_pack(q.view(torch.uint8), INT8_GROUP_SIZE, flip=128)
+            self.wpack = _tile_pack(q.view(torch.uint8), INT8_GROUP_SIZE, flip=128, alloc=alloc)
             self.w_scale = torch.zeros(self.wpack.shape[0] * 16)
             self.w_scale[:out_f] = self.scale
             # Group scales come from blocks of 32 (in_features % 32 == 0): no padding.
@@ -301,8 +311,8 @@ class Int8Linear(_QuantLinear):
 
 
 class Int4Linear(_QuantLinear):
-    def __init__(self, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None
-                 ) -> None:
+    def __init__(self, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None,
+                 alloc: Allocator = _torch_empty) -> None:
         """From a float weight (quantized per group of 32, with lo) or from int4
         blocks (exact, e.g. a GGUF's Q4_0 / Q4_1 / Q4_K)."""
         qw = w if isinstance(w, QuantizedWeight) else quantize_int4(w)
@@ -324,7 +334,9 @@ class Int4Linear(_QuantLinear):
             parts = [nib.view(tiles, groups, 256), _tile_groups(qw.scale).view(torch.uint8)]
             if not self.fixed_offset:
                 parts.append(_tile_groups(qw.lo).view(torch.uint8))
-            self.packed = torch.cat(parts, dim=2)
+            group_bytes = sum(p.shape[2] for p in parts)  # 288 or 320
+            self.packed = torch.cat(parts, dim=2, out=alloc((tiles, groups, group_bytes),
+                                                           torch.uint8))
         else:
             self._weight = qw  # dequantized per call (no kernel for it here)
 
@@ -365,16 +377,17 @@ def quantization_level(lin: Linear) -> str:
 
 def make_linear(
     w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None,
-    quantization: str = "none",
+    quantization: str = "none", alloc: Allocator = _torch_empty,
 ) -> Linear:
     """The Linear for a weight: float weights are quantized to ``quantization``;
-    blocks are kept as they are when the kinds match, else dequantized first."""
+    blocks are kept as they are when the kinds match, else dequantized first.
+    ``alloc`` places a quantized Linear's packed weights."""
     if isinstance(w, QuantizedWeight) and w.kind != quantization:
         w = w.dequantize()
     if quantization == "int8":
-        return Int8Linear(w, bias)
+        return Int8Linear(w, bias, alloc)
     if quantization == "int4":
-        return Int4Linear(w, bias)
+        return Int4Linear(w, bias, alloc)
     if quantization != "none":
         raise ValueError(f"a weight is none, int8 or int4, not {quantization!r}")
     return DenseLinear(w, bias)

@@ -223,9 +223,10 @@ def fuse_weights(
             t = t.dequantize()
         return t.to(device=device, dtype=dtype).contiguous()
 
-    # Dense matmul weights on CPU go to huge pages (decode streams them ~4%
-    # faster); quantized ones are repacked by their Linear anyway.
+    # Matmul weights on CPU go to huge pages: decode streams them faster
+    # (tandem/model/hugepages.py); quantized ones are packed straight there.
     arena = HugePageArena() if device.type == "cpu" else None
+    alloc = {} if arena is None else {"alloc": arena.empty}
 
     def dense(t: torch.Tensor) -> torch.Tensor:
         return arena.copy(put(t)) if arena is not None else put(t)
@@ -240,9 +241,11 @@ def fuse_weights(
         kind = kind or target(parts)
         bias = None if bias is None else put(bias)
         if all(isinstance(p, QuantizedWeight) and p.kind == kind for p in parts):
-            return make_linear(QuantizedWeight.cat(parts).to(device), bias, kind)
+            return make_linear(QuantizedWeight.cat(parts).to(device), bias, kind, **alloc)
         w = put(parts[0]) if len(parts) == 1 else torch.cat([put(p) for p in parts])
-        return DenseLinear(dense(w), bias) if kind == "none" else make_linear(w, bias, kind)
+        if kind == "none":
+            return DenseLinear(dense(w), bias)
+        return make_linear(w, bias, kind, **alloc)
 
     quantized = quantization in ("int8", "int4") or (quantization == "auto" and src.quantized)
     try:

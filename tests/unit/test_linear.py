@@ -172,3 +172,20 @@ def test_weight_kind_numbers_match_the_cpp_step():
     body = re.search(r"enum class WeightKind[^{]*\{([^}]*)\}", header).group(1)
     cpp = {name.strip()[1:].upper(): int(v) for name, v in re.findall(r"(\w+)\s*=\s*(\d+)", body)}
     assert cpp == {k.name: k.value for k in WeightKind}
+
+
+def test_packed_weights_go_where_the_allocator_puts_them():
+    """The loader packs quantized weights straight into huge pages: same results."""
+    from tandem.model.hugepages import HugePageArena
+
+    torch.manual_seed(0)
+    w, x = torch.randn(40, 96), torch.randn(3, 96)
+    for make in (Int8Linear, Int4Linear, lambda w, **kw: Int8Linear(quantize_int8_groups(w), **kw)):
+        arena = HugePageArena(chunk_bytes=1 << 20)
+        lin = make(w, alloc=arena.empty)
+        if not lin.kernel:
+            pytest.skip("tandem's CPU kernels are unavailable")
+        start = arena._buf.data_ptr()
+        packed = lin.wpack if isinstance(lin, Int8Linear) else lin.packed
+        assert start <= packed.data_ptr() < start + arena.chunk_bytes
+        torch.testing.assert_close(lin(x), make(w)(x), rtol=0, atol=0)
