@@ -188,7 +188,7 @@ def tandem_format(lin: Linear) -> str:
     if isinstance(lin, Int4Linear):
         return "int4 g32"
     if isinstance(lin, Int8Linear):
-        return "int8 g32" if lin.group_scale is not None else "int8 ch"
+        return "int8 g32" if lin.grouped else "int8 ch"
     return str(lin.w.dtype).removeprefix("torch.")
 
 

@@ -115,16 +115,20 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 
 class QuantizedWeight:
     """A weight [out, in] in one of tandem's block formats, as a checkpoint or a
-    quantizer produced it, before it is packed for a kernel: int8 ``data`` [out, in]
-    with fp16 ``scale`` per group of 32 inputs (GGUF's Q8_0: w = q * d), or int4
-    ``data`` uint8 [out, in / 2] with fp16 ``scale`` and ``lo`` per group of 32
-    (GGUF's Q4_0 / Q4_1 nibble layout: byte i of a group holds weight i in its
-    low nibble and 16 + i in its high one; w = q * scale + lo), ``lo`` None for
-    Q4_0's fixed offset (w = (q - 8) * scale). Rows are independent, so fused
-    matmuls concatenate them without requantizing."""
+    quantizer produced it, before it is packed for a kernel: int8 ``data`` [out,
+    in / 32, 32] with fp16 ``scale`` [out, in / 32], a scale per group of 32
+    inputs (GGUF's Q8_0: w = q * d), or int4 ``data`` uint8 [out, in / 32, 16]
+    with fp16 ``scale`` and ``lo`` per group (GGUF's Q4_0 / Q4_1 nibble layout:
+    byte i of a group holds weight i in its low nibble and 16 + i in its high
+    one; w = q * scale + lo), ``lo`` None for Q4_0's fixed offset (w = (q - 8) *
+    scale). Any of them may be a strided view (a GGUF's blocks as the file
+    holds them: the kernels' packing reads them in place). Rows are
+    independent, so fused matmuls take a list of parts without requantizing."""
 
     def __init__(self, kind: str, data: torch.Tensor, scale: torch.Tensor,
                  lo: torch.Tensor | None = None) -> None:
+        if data.dim() == 2:  # [out, bytes]: a view, grouped
+            data = data.reshape(data.shape[0], -1, _GROUP_BYTES[kind])
         self.kind, self.data, self.scale, self.lo = kind, data, scale, lo
 
     def to(self, device: torch.device) -> QuantizedWeight:
@@ -133,8 +137,12 @@ class QuantizedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        n, k = self.data.shape
-        return n, k * 2 if self.kind == "int4" else k
+        n, g, _ = self.data.shape
+        return n, g * INT8_GROUP_SIZE  # int4's groups are as wide (INT4_GROUP_SIZE)
+
+    def lo_or_offset(self) -> torch.Tensor:
+        """lo, or the fixed offset's (-8 scale: Q4_0's, exact in fp16) beside weights with lo."""
+        return self.lo if self.lo is not None else self.scale * -8
 
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -146,7 +154,7 @@ class QuantizedWeight:
             return parts[0]
         lo = None
         if kind == "int4" and any(p.lo is not None for p in parts):
-            lo = torch.cat([p.lo if p.lo is not None else p.scale * -8 for p in parts])
+            lo = torch.cat([p.lo_or_offset() for p in parts])
         return QuantizedWeight(kind, torch.cat([p.data for p in parts]),
                                torch.cat([p.scale for p in parts]), lo)
 
@@ -155,18 +163,19 @@ class QuantizedWeight:
         n, k = self.shape
         s = self.scale.float()[..., None]
         if self.kind == "int8":
-            return (self.data.float().view(n, -1, INT8_GROUP_SIZE) * s).view(n, k)
-        q = unpack_int4(self.data).float().view(n, -1, INT4_GROUP_SIZE)
+            return (self.data.float() * s).view(n, k)
+        q = unpack_int4(self.data).float()
         if self.lo is None:
             return ((q - 8) * s).view(n, k)
         return (q * s + self.lo.float()[..., None]).view(n, k)
 
 
+_GROUP_BYTES = {"int8": INT8_GROUP_SIZE, "int4": INT4_GROUP_SIZE // 2}
+
+
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [n, k / 2] in QuantizedWeight's int4 layout -> uint8 [n, k] values 0..15."""
-    n = packed.shape[0]
-    g = packed.view(n, -1, 1, 16)
-    return torch.cat((g & 15, g >> 4), 2).view(n, -1)
+    """uint8 [n, G, 16] in QuantizedWeight's int4 layout -> uint8 [n, G, 32] values 0..15."""
+    return torch.cat((packed & 15, packed >> 4), -1)
 
 
 # Quantizers work on this many rows at a time: their float temporaries stay
@@ -212,77 +221,89 @@ def quantize_int4(w: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight("int4", packed, scale, lo)
 
 
-def _tile_pack(u8: torch.Tensor, group: int, flip: int = 0,
-               alloc: Allocator = _torch_empty) -> torch.Tensor:
-    """uint8 [n, k] -> tiles [ceil(n / 16), kp / 4, 16, 4] (kp: k padded to whole
-    groups of ``group`` bytes with 0), every byte XORed with ``flip``: each 64
-    bytes hold 4 consecutive columns of a tile's 16 rows
-    (tandem/kernels/csrc/quant_linear.h). Tile by tile, so no second full-size
-    temporary; 4 bytes move as one int32 and the flip rides along (a uint8
-    permute and a separate XOR took 3x as long: packing is seconds of an 8B
-    model's load)."""
-    n, k = u8.shape
-    tiles, kp = -(-n // 16), -(-k // group) * group
-    if (tiles * 16, kp) != (n, k):
-        padded = torch.zeros(tiles * 16, kp, dtype=torch.uint8)
-        padded[:n, :k] = u8
-        u8 = padded
-    words = u8.contiguous().view(torch.int32)  # [tiles * 16, kp / 4]
-    flip32 = torch.tensor([flip] * 4, dtype=torch.uint8).view(torch.int32).item()
-    packed = alloc((tiles, kp // 4, 16), torch.int32)
-    step = _CHUNK_ROWS // 16
-    for t in range(0, tiles, step):
-        chunk = words[t * 16:(t + step) * 16].view(-1, 16, kp // 4).transpose(1, 2)
-        torch.bitwise_xor(chunk, flip32, out=packed[t:t + step])
-    return packed.view(torch.uint8).view(tiles, kp // 4, 16, 4)
+Parts = QuantizedWeight | list[QuantizedWeight]  # a weight, or its rows in parts (fused)
+
+
+def _parts(w: Parts) -> list[QuantizedWeight]:
+    return w if isinstance(w, list) else [w]
+
+
+class _Tiles:
+    """A packed weight's tile buffer [ceil(n / 16), G, group bytes] (the layout of
+    tandem/kernels/csrc/quant_linear.h), filled part by part at row offsets by
+    the C++ packer (tile_pack.h), straight from each part's (strided) arrays."""
+
+    def __init__(self, n: int, groups: int, group_bytes: int, alloc: Allocator,
+                 pad: int = 0) -> None:
+        self.tiles = -(-n // 16)
+        self.buf = alloc((self.tiles, groups, group_bytes), torch.uint8)
+        if n % 16:  # rows past n: a zero weight (pad: its byte), scale 0
+            self.buf[-1].fill_(pad)
+
+    def bytes(self, src: torch.Tensor, row0: int, flip: int = 0) -> None:
+        torch.ops.tandem.pack_tile_bytes(self.buf, src, row0, flip)
+
+    def halves(self, src: torch.Tensor, row0: int, offset: int) -> None:
+        torch.ops.tandem.pack_tile_halves(self.buf, src, row0, offset)
 
 
 _NONE = torch.empty(0)  # an unused tensor argument of the C++ decode step
 
 
-def _tile_groups(v: torch.Tensor) -> torch.Tensor:
-    """Per-group values fp16 [n, G] -> [ceil(n / 16), G, 16]: a tile's together."""
-    n, g = v.shape
-    tiles = -(-n // 16)
-    padded = torch.zeros(tiles * 16, g, dtype=torch.float16)
-    padded[:n] = v
-    return padded.view(tiles, 16, g).transpose(1, 2).contiguous()
+def _int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [out, in] -> int8 [out, in] and an fp32 scale per output channel."""
+    scale = torch.empty(w.shape[0], device=w.device)
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    for r in range(0, w.shape[0], _CHUNK_ROWS):
+        rows = slice(r, r + _CHUNK_ROWS)
+        wr = w[rows].float()
+        scale[rows] = (wr.abs().amax(1) / 127.0).clamp_min(1e-12)
+        q[rows] = torch.round(wr / scale[rows, None]).clamp(-127, 127)
+    return q, scale
 
 
 class Int8Linear(_QuantLinear):
-    def __init__(self, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None,
+    def __init__(self, w: torch.Tensor | Parts, bias: torch.Tensor | None = None,
                  alloc: Allocator = _torch_empty) -> None:
         """From a float weight (one fp32 scale per output channel: on the default
         model it measured better than per group and reads fewer bytes) or from
-        int8 blocks (exact, e.g. a GGUF's Q8_0)."""
-        if isinstance(w, QuantizedWeight):
-            q, gs = w.data, w.scale
-            self.scale = torch.ones(q.shape[0], device=q.device)
+        int8 blocks (exact, e.g. a GGUF's Q8_0), whole or as a fused matmul's parts."""
+        if isinstance(w, torch.Tensor):
+            q, self.scale = _int8_per_channel(w)
+            k = q.shape[1]
+            kp = -(-k // INT8_GROUP_SIZE) * INT8_GROUP_SIZE  # zero inputs to whole groups
+            q = q if kp == k else F.pad(q, (0, kp - k))
+            parts = [(q.view(q.shape[0], -1, INT8_GROUP_SIZE), None)]
         else:
-            gs = None
-            self.scale = torch.empty(w.shape[0], device=w.device)  # [out]
-            q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
-            for r in range(0, w.shape[0], _CHUNK_ROWS):
-                rows = slice(r, r + _CHUNK_ROWS)
-                wr = w[rows].float()
-                self.scale[rows] = (wr.abs().amax(1) / 127.0).clamp_min(1e-12)
-                q[rows] = torch.round(wr / self.scale[rows, None]).clamp(-127, 127)
-        out_f, in_f = q.shape
-        self.group_scale = gs  # fp16 [out, in / 32] or None
+            parts = [(p.data, p.scale) for p in _parts(w)]
+            k = parts[0][0].shape[1] * INT8_GROUP_SIZE
+            self.scale = torch.ones(sum(d.shape[0] for d, _ in parts), device=parts[0][0].device)
+        out_f, groups = self.scale.shape[0], parts[0][0].shape[1]
+        self.grouped = grouped = parts[0][1] is not None  # Q8_0's scales per group of 32
         self.bias = bias
-        self.cpu = q.device.type == "cpu"
-        self._nbytes = out_f * in_f + out_f * 4 + (0 if gs is None else gs.numel() * 2)
+        self.cpu = self.scale.device.type == "cpu"
+        self._nbytes = out_f * k + out_f * 4 + (out_f * groups * 2 if grouped else 0)
+        self.out_features = out_f
         self.kernel = self.cpu and custom_ops.available()
         if self.kernel:
-            # int8 x + 128 as uint8 is x's bits with the top one flipped (padding 0 too).
-            self.wpack = _tile_pack(q.view(torch.uint8), INT8_GROUP_SIZE, flip=128, alloc=alloc)
-            self.w_scale = torch.zeros(self.wpack.shape[0] * 16)
+            # int8 x + 128 as uint8 is x's bits with the top one flipped.
+            tiles = _Tiles(out_f, groups, 16 * INT8_GROUP_SIZE, alloc, pad=128)
+            gs = _Tiles(out_f, groups, 32, alloc) if grouped else None
+            row0 = 0
+            for data, scale in parts:
+                tiles.bytes(data, row0, flip=128)
+                if gs is not None:
+                    gs.halves(scale, row0, 0)
+                row0 += data.shape[0]
+            self.wpack = tiles.buf.view(tiles.tiles, -1, 16, 4)  # [tiles, kp / 4, 16, 4]
+            self.w_scale = torch.zeros(tiles.tiles * 16)
             self.w_scale[:out_f] = self.scale
-            # Group scales come from blocks of 32 (in_features % 32 == 0): no padding.
-            self.g_pack = torch.empty(0, dtype=torch.float16) if gs is None else _tile_groups(gs)
-            self.out_features = out_f
-        else:
-            self.q = q  # [out, in], dequantized per call (no kernel for it here)
+            # fp16 [tiles, G, 16]: each tile's group scales together
+            self.g_pack = (torch.empty(0, dtype=torch.float16) if gs is None
+                           else gs.buf.view(torch.float16))
+        else:  # dequantized per call (no kernel for it here)
+            self.q = torch.cat([d for d, _ in parts]).view(out_f, -1)[:, :k]
+            self.group_scale = torch.cat([s for _, s in parts]) if grouped else None
 
     def dequantize(self) -> torch.Tensor:
         """The weight [out, in] in fp32, as the torch paths multiply it."""
@@ -311,34 +332,35 @@ class Int8Linear(_QuantLinear):
 
 
 class Int4Linear(_QuantLinear):
-    def __init__(self, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None,
+    def __init__(self, w: torch.Tensor | Parts, bias: torch.Tensor | None = None,
                  alloc: Allocator = _torch_empty) -> None:
         """From a float weight (quantized per group of 32, with lo) or from int4
-        blocks (exact, e.g. a GGUF's Q4_0 / Q4_1 / Q4_K)."""
-        qw = w if isinstance(w, QuantizedWeight) else quantize_int4(w)
-        n, k = qw.shape
+        blocks (exact, e.g. a GGUF's Q4_0 / Q4_1 / Q4_K), whole or as a fused
+        matmul's parts."""
+        parts = [quantize_int4(w)] if isinstance(w, torch.Tensor) else _parts(w)
+        n = sum(p.data.shape[0] for p in parts)
+        groups = parts[0].data.shape[1]
         self.bias = bias
-        self.cpu = qw.data.device.type == "cpu"
+        self.cpu = parts[0].data.device.type == "cpu"
         self.kernel = self.cpu and custom_ops.available()
-        self.fixed_offset = qw.lo is None  # Q4_0: w = (q - 8) * scale
-        groups = k // INT4_GROUP_SIZE
-        self._nbytes = n * k // 2 + n * groups * 2 * (1 if self.fixed_offset else 2)
+        self.fixed_offset = all(p.lo is None for p in parts)  # Q4_0: w = (q - 8) * scale
+        self._nbytes = n * groups * (16 + 2 * (1 if self.fixed_offset else 2))
         self.out_features = n
         if self.kernel:
-            # A row's bytes are already 16 low + 16 high nibbles per group: the
-            # kernel's chunks are those bytes tiled as int8's are (padding 0),
-            # each tile's group followed by its fp16 scales and lo (if any), so
-            # a tile is one stream (tandem/kernels/csrc/quant_linear.h).
-            nib = _tile_pack(qw.data, INT4_GROUP_SIZE // 2)
-            tiles = nib.shape[0]
-            parts = [nib.view(tiles, groups, 256), _tile_groups(qw.scale).view(torch.uint8)]
-            if not self.fixed_offset:
-                parts.append(_tile_groups(qw.lo).view(torch.uint8))
-            group_bytes = sum(p.shape[2] for p in parts)  # 288 or 320
-            self.packed = torch.cat(parts, dim=2, out=alloc((tiles, groups, group_bytes),
-                                                           torch.uint8))
+            # A row's bytes are already 16 low + 16 high nibbles per group: tiled
+            # as int8's are, each tile's group followed by its fp16 scales and lo
+            # (if any), so a tile is one stream (tandem/kernels/csrc/quant_linear.h).
+            tiles = _Tiles(n, groups, 256 + 32 * (1 if self.fixed_offset else 2), alloc)
+            row0 = 0
+            for p in parts:
+                tiles.bytes(p.data, row0)
+                tiles.halves(p.scale, row0, 256)
+                if not self.fixed_offset:
+                    tiles.halves(p.lo_or_offset(), row0, 288)
+                row0 += p.data.shape[0]
+            self.packed = tiles.buf
         else:
-            self._weight = qw  # dequantized per call (no kernel for it here)
+            self._weight = QuantizedWeight.cat(parts)  # dequantized per call (no kernel here)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel:
@@ -369,21 +391,22 @@ def quantization_level(lin: Linear) -> str:
     (int4 with a scale per group of 32 and the fixed offset 8), Q4_1 (int4 with
     a scale and a minimum per group of 32: tandem's own int4, and Q4_K's)."""
     if isinstance(lin, Int8Linear):
-        return "INT8" if lin.group_scale is None else "Q8_0"
+        return "Q8_0" if lin.grouped else "INT8"
     if isinstance(lin, Int4Linear):
         return "Q4_0" if lin.fixed_offset else "Q4_1"
     return _DENSE_LEVELS.get(lin.w.dtype, str(lin.w.dtype))
 
 
 def make_linear(
-    w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None,
+    w: torch.Tensor | Parts, bias: torch.Tensor | None = None,
     quantization: str = "none", alloc: Allocator = _torch_empty,
 ) -> Linear:
-    """The Linear for a weight: float weights are quantized to ``quantization``;
-    blocks are kept as they are when the kinds match, else dequantized first.
-    ``alloc`` places a quantized Linear's packed weights."""
-    if isinstance(w, QuantizedWeight) and w.kind != quantization:
-        w = w.dequantize()
+    """The Linear for a weight (or a fused matmul's parts): float weights are
+    quantized to ``quantization``; blocks are kept as they are when the kinds
+    match, else dequantized first. ``alloc`` places a quantized Linear's packed
+    weights."""
+    if not isinstance(w, torch.Tensor) and any(p.kind != quantization for p in _parts(w)):
+        w = torch.cat([p.dequantize() for p in _parts(w)])
     if quantization == "int8":
         return Int8Linear(w, bias, alloc)
     if quantization == "int4":

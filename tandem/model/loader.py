@@ -241,7 +241,7 @@ def fuse_weights(
         kind = kind or target(parts)
         bias = None if bias is None else put(bias)
         if all(isinstance(p, QuantizedWeight) and p.kind == kind for p in parts):
-            return make_linear(QuantizedWeight.cat(parts).to(device), bias, kind, **alloc)
+            return make_linear([p.to(device) for p in parts], bias, kind, **alloc)
         w = put(parts[0]) if len(parts) == 1 else torch.cat([put(p) for p in parts])
         if kind == "none":
             return DenseLinear(dense(w), bias)

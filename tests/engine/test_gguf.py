@@ -455,7 +455,7 @@ def test_q4_k_super_blocks_decode_to_int4_groups():
     raw[:, :, 0:4] = d.view(np.uint8).reshape(rows, blocks, 4)
     data = raw.reshape(rows, -1)
     ref = dequantize(data, GGMLQuantizationType.Q4_K)
-    parts = tg._BLOCK_DECODERS["Q4_K"](data)
+    parts = tg._BLOCK_DECODERS["Q4_K"](torch.from_numpy(data))
     mine = tg._quantized_weight(*parts).dequantize().numpy()
     assert mine.shape == ref.shape == (rows, 256 * blocks)
     np.testing.assert_allclose(mine, ref, rtol=2e-3, atol=1e-6 + 2e-3 * np.abs(ref).max())

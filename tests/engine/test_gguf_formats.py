@@ -61,7 +61,7 @@ def test_gguf_formats_run_as_stored_and_agree_on_every_path(tmp_path, qtype):
         assert isinstance(layer.gate_up, Int4Linear) and isinstance(layer.down, Int8Linear)
         assert engine.runner.decode_step is not None  # per-matmul formats in one step
     elif qtype == "Q8_0":
-        assert isinstance(layer.qkv, Int8Linear) and layer.qkv.group_scale is not None
+        assert isinstance(layer.qkv, Int8Linear) and layer.qkv.grouped
     else:
         assert all(isinstance(lin, Int4Linear) for layer in m.layers
                    for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))

@@ -123,6 +123,39 @@ def test_int8_blocks_keep_group_scales_exactly(kernel, monkeypatch):
         torch.testing.assert_close(lin(x).double(), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["tandem-kernel", "torch"])
+def test_fused_parts_pack_at_their_row_offsets(kernel, monkeypatch):
+    """A fused matmul's parts (Q/K/V's 20 + 13 + 7 rows: tiles shared across
+    parts, a partial last tile) are packed one by one, straight from strided
+    views like a GGUF's blocks, into what their concatenation multiplies as;
+    a Q4_0 part beside parts with lo takes lo = -8 scale."""
+    if not kernel:
+        monkeypatch.setattr(custom_ops, "available", lambda: False)
+    k = 96
+    w = torch.randn(40, k) * 0.05
+    rows = (slice(0, 20), slice(20, 33), slice(33, 40))
+
+    def strided(qw: QuantizedWeight) -> QuantizedWeight:
+        """The same blocks inside a wider buffer, as a GGUF's bytes hold them."""
+        n, g, b = qw.data.shape
+        buf = torch.zeros(n, g, b + 2, dtype=qw.data.dtype)
+        buf[:, :, 2:] = qw.data
+        lo = None if qw.lo is None else qw.lo.t().contiguous().t()
+        return QuantizedWeight(qw.kind, buf[:, :, 2:], qw.scale.t().contiguous().t(), lo)
+
+    q8 = [quantize_int8_groups(w[r]) for r in rows]
+    q4 = [quantize_int4(w[r]) for r in rows]
+    q4[1] = QuantizedWeight("int4", q4[1].data, q4[1].scale)  # a Q4_0 part
+    for make, parts in ((Int8Linear, q8), (Int4Linear, q4)):
+        lin = make([strided(p) for p in parts])
+        assert lin.kernel == kernel
+        whole = QuantizedWeight.cat(parts)
+        for m in (1, 5):
+            x = torch.randn(m, k)
+            ref = quantize_activations(x).double() @ whole.dequantize().double().t()
+            torch.testing.assert_close(lin(x).double(), ref, atol=1e-4, rtol=1e-4)
+
+
 def test_quantized_weight_rows_concatenate_and_round_trip():
     w = torch.randn(48, 64) * 0.05
     for quantize in (quantize_int4, quantize_int8_groups):

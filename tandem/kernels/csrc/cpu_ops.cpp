@@ -10,7 +10,8 @@
 // fbgemm's and torch's int4 kernels do not, and quantize activations in groups
 // of 32 (llama.cpp's Q8_0 way), which fbgemm cannot. token_bitmask.h writes a
 // grammar's packed token mask into the logits (structured outputs), sampling.h
-// turns logits into the sampler's unnormalised probabilities in one pass.
+// turns logits into the sampler's unnormalised probabilities in one pass,
+// tile_pack.h packs quantized weights into the matmuls' tiles as they load.
 //
 // decode_step.h runs a whole decode step (every layer and the LM head) in one
 // OpenMP team, with these kernels and matvec.h's row-streaming fp32 matmul;
@@ -35,6 +36,7 @@
 #include "layer_ops.h"
 #include "quant_linear.h"
 #include "sampling.h"
+#include "tile_pack.h"
 #include "token_bitmask.h"
 
 TORCH_LIBRARY(tandem, m) {
@@ -56,6 +58,8 @@ TORCH_LIBRARY(tandem, m) {
       .def("add_layer", &tandem::DecodeStep::add_layer)
       .def("forward", &tandem::DecodeStep::forward);
   m.def("int8_linear(Tensor x, Tensor packed, Tensor w_scale, Tensor g_scale, int N) -> Tensor");
+  m.def("pack_tile_bytes(Tensor(a!) dest, Tensor src, int row0, int flip) -> ()");
+  m.def("pack_tile_halves(Tensor(a!) dest, Tensor src, int row0, int offset) -> ()");
   m.def("exp_weights(Tensor logits, Tensor temperature) -> (Tensor, Tensor)");
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor rows, Tensor bitmask, float value) -> ()");
 }
@@ -68,6 +72,8 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("matvec", &tandem::matvec_op);
   m.impl("int4_linear", &tandem::int4_linear);
   m.impl("int8_linear", &tandem::int8_linear);
+  m.impl("pack_tile_bytes", &tandem::pack_tile_bytes);
+  m.impl("pack_tile_halves", &tandem::pack_tile_halves);
   m.impl("exp_weights", &tandem::exp_weights);
   m.impl("apply_token_bitmask_", &tandem::apply_token_bitmask_);
 }
