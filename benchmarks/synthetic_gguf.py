@@ -12,9 +12,13 @@ every token id is valid and the server can tokenize prompts):
   0.65 B fewer parameters than a real one (0.36 GB less at Q4_0, 0.69 GB at
   Q8_0, 1.3 GB at F16). The layers, which decode streams, are the real size.
 
-Tensor types: ``f16``, ``q8_0``, ``q4_0`` (``q4_k`` too where gguf.quants can
-quantize it; gguf 0.19 cannot). Every matrix (token_embd, output, the layer
-matmuls) has the type; the norm weights are F32 ones. The LM head is untied
+Tensor types: ``f16``, ``q8_0``, ``q4_0``: every matrix (token_embd, output,
+the layer matmuls) has the type; and ``q4_k_m``, llama.cpp's most pulled mix:
+Q4_K, with Q6_K for the LM head and for attn_v and ffn_down in the layers
+llama.cpp gives more bits (the first and last eighth, every third between).
+gguf.quants cannot quantize K-quants (0.19), so their blocks are random bytes
+with small fp16 super-block scales (weights within ~0.1): as random as the
+others, and decoded exactly as a real file's. The norm weights are F32 ones. The LM head is untied
 (``output.weight``). Weights are N(0, 0.02), drawn per row-chunk from a seed
 derived from (seed, tensor, chunk), so a file is reproducible. numpy does this
 at ~55 M params/s on one core here (threads did not help: 1B in ~30 s, 8B in
@@ -76,8 +80,25 @@ TYPES = {
     "f16": (Q.F16, LlamaFileType.MOSTLY_F16),
     "q8_0": (Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
     "q4_0": (Q.Q4_0, LlamaFileType.MOSTLY_Q4_0),
-    "q4_k": (Q.Q4_K, LlamaFileType.MOSTLY_Q4_K_S),
+    "q4_k_m": (Q.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
 }
+# K-quant super-blocks: bytes, and where their fp16 scales lie (d, dmin for Q4_K)
+# with the largest value each may take so that |w| stays within ~0.1.
+K_BLOCKS = {Q.Q4_K: (144, {0: 1e-4, 2: 1e-4}), Q.Q6_K: (210, {208: 2.5e-5})}
+
+
+def tensor_type(qtype_name: str, name: str, layers: int) -> Q:
+    """A tensor's type in a file of type qtype_name (q4_k_m: llama.cpp's mix)."""
+    qtype = TYPES[qtype_name][0]
+    if qtype_name != "q4_k_m":
+        return qtype
+    if name == "output.weight":
+        return Q.Q6_K
+    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+        i = int(name.split(".")[1])  # llama.cpp's use_more_bits
+        if i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2:
+            return Q.Q6_K
+    return qtype
 
 
 def can_quantize(qtype: Q) -> bool:
@@ -91,7 +112,7 @@ def can_quantize(qtype: Q) -> bool:
 
 
 def available_types() -> list[str]:
-    return [t for t, (qtype, _) in TYPES.items() if can_quantize(qtype)]
+    return [t for t, (qtype, _) in TYPES.items() if can_quantize(qtype) or qtype in K_BLOCKS]
 
 
 def default_path(shape: str, qtype: str) -> Path:
@@ -146,6 +167,8 @@ def copy_tokenizer(writer: gguf.GGUFWriter, src: Path) -> int:
 def _matrix(shape: tuple[int, int], qtype: Q, seed: int, index: int) -> np.ndarray:
     """One weight matrix, N(0, 0.02), quantized, generated in float32 row chunks."""
     rows, cols = shape
+    if qtype in K_BLOCKS and not can_quantize(qtype):
+        return _random_k_blocks(shape, qtype, seed, index)
     if qtype == Q.F16:
         out = np.empty(shape, np.float16)
     else:
@@ -161,6 +184,18 @@ def _matrix(shape: tuple[int, int], qtype: Q, seed: int, index: int) -> np.ndarr
     return out
 
 
+def _random_k_blocks(shape: tuple[int, int], qtype: Q, seed: int, index: int) -> np.ndarray:
+    """K-quant blocks of random bytes, their fp16 scales uniform in [0, K_BLOCKS' bound)."""
+    size, scales = K_BLOCKS[qtype]
+    rng = np.random.default_rng([seed, index])
+    out = rng.integers(0, 256, quant_shape_to_byte_shape(shape, qtype), dtype=np.uint8)
+    blocks = out.reshape(shape[0], -1, size)
+    for at, bound in scales.items():
+        d = (rng.random(blocks.shape[:2], dtype=np.float32) * bound).astype(np.float16)
+        blocks[:, :, at:at + 2] = d[..., None].view(np.uint8)
+    return out
+
+
 def write_synthetic(path: Path, shape: str, qtype_name: str, *, seed: int = 0,
                     tokenizer_src: Path | None = None,
                     log=None) -> dict:
@@ -170,7 +205,7 @@ def write_synthetic(path: Path, shape: str, qtype_name: str, *, seed: int = 0,
 
     s = SHAPES[shape]
     qtype, ftype = TYPES[qtype_name]
-    if not can_quantize(qtype):
+    if not (can_quantize(qtype) or qtype in K_BLOCKS):
         raise ValueError(f"this gguf package cannot quantize to {qtype.name}; "
                          f"choose one of {available_types()}")
     t0 = time.perf_counter()
@@ -195,6 +230,7 @@ def write_synthetic(path: Path, shape: str, qtype_name: str, *, seed: int = 0,
 
     tensors = tensor_list(s, vocab)
     params = 0
+    types = {name: tensor_type(qtype_name, name, s.layers) for name, _ in tensors}
     for name, shp in tensors:
         params += int(np.prod(shp))
         if len(shp) == 1:
@@ -202,13 +238,14 @@ def write_synthetic(path: Path, shape: str, qtype_name: str, *, seed: int = 0,
         elif qtype == Q.F16:
             w.add_tensor_info(name, shp, np.dtype(np.float16), shp[0] * shp[1] * 2)
         else:
-            nbytes = int(np.prod(quant_shape_to_byte_shape(shp, qtype)))
-            w.add_tensor_info(name, shp, np.dtype(np.float32), nbytes, raw_dtype=qtype)
+            nbytes = int(np.prod(quant_shape_to_byte_shape(shp, types[name])))
+            w.add_tensor_info(name, shp, np.dtype(np.float32), nbytes, raw_dtype=types[name])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for index, (name, shp) in enumerate(tensors):
-        data = np.ones(shp, np.float32) if len(shp) == 1 else _matrix(shp, qtype, seed, index)
+        data = (np.ones(shp, np.float32) if len(shp) == 1
+                else _matrix(shp, types[name], seed, index))
         w.write_tensor_data(data)
         del data
         if log is not None and name.endswith("ffn_down.weight"):

@@ -595,13 +595,13 @@ class GGUFWeights:
         raw = _mapped(self.src, t)
         kind = t.type
         if kind in _BLOCK_DECODERS and len(t.shape) == 2:
+            rows = raw.view(t.data_shape[0], -1)
+            if heads:  # rows are whole blocks: reorder the stored rows
+                rows = _unpermute(rows, heads)
             try:
-                parts = _BLOCK_DECODERS[kind](raw.view(t.data_shape[0], -1))
+                return _quantized_weight(*_BLOCK_DECODERS[kind](rows))
             except (ValueError, RuntimeError) as e:
                 raise ValueError(f"{self.src}: tensor {t.name} ({kind}): {e}") from e
-            if heads:
-                parts = [_unpermute(p, heads) for p in parts]
-            return _quantized_weight(*parts)
         data = raw.numpy().view(np.dtype(t.dtype)).reshape(t.data_shape)
         w = torch.from_numpy(_dequantized(self.src, t, heads, data))
         if kind in _FLOAT_TYPES or w.dim() != 2:
@@ -676,7 +676,33 @@ def _decode_q4_k(data: torch.Tensor) -> list:
     """Q4_K super-blocks of 256 (fp16 d and dmin, 12 bytes of 6-bit scales and
     mins for 8 sub-blocks of 32, 128 bytes of nibbles: sub-block 2c is chunk c's
     low nibbles, 2c + 1 its high ones): w = d sc q - dmin m per sub-block, i.e.
-    int4 groups of 32 with scale d sc and lo -dmin m (rounded to fp16)."""
+    int4 groups of 32 with scale d sc and lo -dmin m (rounded to fp16). The
+    kernel (tandem/kernels/csrc/block_formats.h) when built, else numpy."""
+    from tandem.kernels import custom_ops
+
+    if custom_ops.available():
+        return torch.ops.tandem.q4_k_to_int4(data)
+    return _decode_q4_k_numpy(data)
+
+
+def _decode_q6_k(data: torch.Tensor) -> list:
+    """Q6_K super-blocks, requantized to int8 groups of 32 (quantize_int8_groups'
+    rule) without an fp32 copy of the tensor when the kernel is built."""
+    from tandem.kernels import custom_ops
+    from tandem.model.linear import quantize_int8_groups
+
+    if custom_ops.available():
+        return torch.ops.tandem.q6_k_to_int8(data)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    w = dequantize(_blocks(data, 210).numpy(), GGMLQuantizationType.Q6_K)
+    qw = quantize_int8_groups(torch.from_numpy(w.reshape(data.shape[0], -1)))
+    return [qw.data, qw.scale]
+
+
+def _decode_q4_k_numpy(data: torch.Tensor) -> list:
+    """_decode_q4_k in numpy (the kernel's reference)."""
     tb = _blocks(data, 144)
     b = tb.numpy()
     rows, nsb = b.shape[:2]
@@ -695,9 +721,10 @@ def _decode_q4_k(data: torch.Tensor) -> list:
     return [torch.from_numpy(packed), torch.from_numpy(scale), torch.from_numpy(lo)]
 
 
-# Block formats read as tandem's int8 / int4 blocks without requantizing.
+# Block formats read as tandem's int8 / int4 groups: exactly, but Q6_K
+# (requantized to int8 groups; its 16-value sub-blocks have scales of their own).
 _BLOCK_DECODERS = {"Q8_0": _decode_q8_0, "Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1,
-                   "Q4_K": _decode_q4_k}
+                   "Q4_K": _decode_q4_k, "Q6_K": _decode_q6_k}
 
 
 def _write_tokenizer(src: Path, dest: Path) -> None:

@@ -20,7 +20,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tandem.kernels import custom_ops
 from tandem.model import gguf as tg
+from tandem.model.linear import quantize_int8_groups
 from tandem.tokenizer import Tokenizer
 
 SAMPLES = [
@@ -459,6 +461,37 @@ def test_q4_k_super_blocks_decode_to_int4_groups():
     mine = tg._quantized_weight(*parts).dequantize().numpy()
     assert mine.shape == ref.shape == (rows, 256 * blocks)
     np.testing.assert_allclose(mine, ref, rtol=2e-3, atol=1e-6 + 2e-3 * np.abs(ref).max())
+
+
+def _k_blocks(rng, rows: int, blocks: int, size: int, d_at: list[int]) -> np.ndarray:
+    """Random K-quant super-blocks with small finite fp16 scales at the byte offsets d_at."""
+    raw = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    for at in d_at:
+        d = (rng.random((rows, blocks)) * 0.01).astype(np.float16)
+        raw[:, :, at:at + 2] = d[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.skipif(not custom_ops.available(), reason="tandem's CPU kernels are unavailable")
+def test_k_quant_kernels_match_their_references_bit_for_bit():
+    """Q4_K -> int4 groups and Q6_K -> int8 groups in C++ give numpy's bits:
+    _decode_q4_k's numpy path, and gguf's dequantize then quantize_int8_groups."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(1)
+    q4k = torch.from_numpy(_k_blocks(rng, 37, 3, 144, [0, 2]))
+    for mine, ref in zip(torch.ops.tandem.q4_k_to_int4(q4k), tg._decode_q4_k_numpy(q4k),
+                         strict=True):
+        assert mine.shape == ref.shape and torch.equal(mine.view(torch.uint8),
+                                                      ref.view(torch.uint8))
+    q6k = _k_blocks(rng, 37, 3, 210, [208])
+    ref = quantize_int8_groups(torch.from_numpy(dequantize(q6k, GGMLQuantizationType.Q6_K)))
+    data, scale = torch.ops.tandem.q6_k_to_int8(torch.from_numpy(q6k))
+    assert torch.equal(data, ref.data) and torch.equal(scale.view(torch.int16),
+                                                       ref.scale.view(torch.int16))
+    with pytest.raises(RuntimeError, match="whole 210-byte blocks"):
+        torch.ops.tandem.q6_k_to_int8(torch.from_numpy(q6k[:, :-1].copy()))
 
 
 def test_unsupported_architecture_is_named(tmp_path):

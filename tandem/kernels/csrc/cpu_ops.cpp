@@ -11,7 +11,8 @@
 // of 32 (llama.cpp's Q8_0 way), which fbgemm cannot. token_bitmask.h writes a
 // grammar's packed token mask into the logits (structured outputs), sampling.h
 // turns logits into the sampler's unnormalised probabilities in one pass,
-// tile_pack.h packs quantized weights into the matmuls' tiles as they load.
+// tile_pack.h packs quantized weights into the matmuls' tiles as they load,
+// block_formats.h turns a GGUF's K-quant blocks into tandem's groups.
 //
 // decode_step.h runs a whole decode step (every layer and the LM head) in one
 // OpenMP team, with these kernels and matvec.h's row-streaming fp32 matmul;
@@ -32,6 +33,7 @@
 #include <torch/library.h>
 
 #include "attention.h"
+#include "block_formats.h"
 #include "decode_step.h"
 #include "layer_ops.h"
 #include "quant_linear.h"
@@ -60,6 +62,8 @@ TORCH_LIBRARY(tandem, m) {
   m.def("int8_linear(Tensor x, Tensor packed, Tensor w_scale, Tensor g_scale, int N) -> Tensor");
   m.def("pack_tile_bytes(Tensor(a!) dest, Tensor src, int row0, int flip) -> ()");
   m.def("pack_tile_halves(Tensor(a!) dest, Tensor src, int row0, int offset) -> ()");
+  m.def("q4_k_to_int4(Tensor raw) -> Tensor[]");
+  m.def("q6_k_to_int8(Tensor raw) -> Tensor[]");
   m.def("exp_weights(Tensor logits, Tensor temperature) -> (Tensor, Tensor)");
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor rows, Tensor bitmask, float value) -> ()");
 }
@@ -74,6 +78,8 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("int8_linear", &tandem::int8_linear);
   m.impl("pack_tile_bytes", &tandem::pack_tile_bytes);
   m.impl("pack_tile_halves", &tandem::pack_tile_halves);
+  m.impl("q4_k_to_int4", &tandem::q4_k_to_int4);
+  m.impl("q6_k_to_int8", &tandem::q6_k_to_int8);
   m.impl("exp_weights", &tandem::exp_weights);
   m.impl("apply_token_bitmask_", &tandem::apply_token_bitmask_);
 }
