@@ -24,7 +24,7 @@ import shutil
 import struct
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -685,20 +685,25 @@ def _decode_q4_k(data: torch.Tensor) -> list:
     return _decode_q4_k_numpy(data)
 
 
-def _decode_q6_k(data: torch.Tensor) -> list:
-    """Q6_K super-blocks, requantized to int8 groups of 32 (quantize_int8_groups'
-    rule) without an fp32 copy of the tensor when the kernel is built."""
-    from tandem.kernels import custom_ops
-    from tandem.model.linear import quantize_int8_groups
+def _requantized(kind: str, size: int) -> Callable[[torch.Tensor], list]:
+    """The decoder of a K-quant format requantized to int8 groups of 32
+    (quantize_int8_groups' rule): its kernel when built (no fp32 copy of the
+    tensor), else gguf's numpy dequantize and the torch quantizer."""
 
-    if custom_ops.available():
-        return torch.ops.tandem.q6_k_to_int8(data)
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+    def decode(data: torch.Tensor) -> list:
+        from tandem.kernels import custom_ops
+        from tandem.model.linear import quantize_int8_groups
 
-    w = dequantize(_blocks(data, 210).numpy(), GGMLQuantizationType.Q6_K)
-    qw = quantize_int8_groups(torch.from_numpy(w.reshape(data.shape[0], -1)))
-    return [qw.data, qw.scale]
+        if custom_ops.available():
+            return getattr(torch.ops.tandem, f"{kind.lower()}_to_int8")(data)
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        w = dequantize(_blocks(data, size).numpy(), GGMLQuantizationType[kind])
+        qw = quantize_int8_groups(torch.from_numpy(w.reshape(data.shape[0], -1)))
+        return [qw.data, qw.scale]
+
+    return decode
 
 
 def _decode_q4_k_numpy(data: torch.Tensor) -> list:
@@ -721,10 +726,11 @@ def _decode_q4_k_numpy(data: torch.Tensor) -> list:
     return [torch.from_numpy(packed), torch.from_numpy(scale), torch.from_numpy(lo)]
 
 
-# Block formats read as tandem's int8 / int4 groups: exactly, but Q6_K
-# (requantized to int8 groups; its 16-value sub-blocks have scales of their own).
+# Block formats read as tandem's int8 / int4 groups: exactly, but Q5_K (5 bits
+# and a minimum) and Q6_K (16-value sub-blocks), requantized to int8 groups.
 _BLOCK_DECODERS = {"Q8_0": _decode_q8_0, "Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1,
-                   "Q4_K": _decode_q4_k, "Q6_K": _decode_q6_k}
+                   "Q4_K": _decode_q4_k, "Q5_K": _requantized("Q5_K", 176),
+                   "Q6_K": _requantized("Q6_K", 210)}
 
 
 def _write_tokenizer(src: Path, dest: Path) -> None:

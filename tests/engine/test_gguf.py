@@ -474,8 +474,9 @@ def _k_blocks(rng, rows: int, blocks: int, size: int, d_at: list[int]) -> np.nda
 
 @pytest.mark.skipif(not custom_ops.available(), reason="tandem's CPU kernels are unavailable")
 def test_k_quant_kernels_match_their_references_bit_for_bit():
-    """Q4_K -> int4 groups and Q6_K -> int8 groups in C++ give numpy's bits:
-    _decode_q4_k's numpy path, and gguf's dequantize then quantize_int8_groups."""
+    """Q4_K -> int4 groups, Q5_K and Q6_K -> int8 groups in C++ give numpy's
+    bits: _decode_q4_k's numpy path, and gguf's dequantize then
+    quantize_int8_groups."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -485,13 +486,32 @@ def test_k_quant_kernels_match_their_references_bit_for_bit():
                          strict=True):
         assert mine.shape == ref.shape and torch.equal(mine.view(torch.uint8),
                                                       ref.view(torch.uint8))
-    q6k = _k_blocks(rng, 37, 3, 210, [208])
-    ref = quantize_int8_groups(torch.from_numpy(dequantize(q6k, GGMLQuantizationType.Q6_K)))
-    data, scale = torch.ops.tandem.q6_k_to_int8(torch.from_numpy(q6k))
-    assert torch.equal(data, ref.data) and torch.equal(scale.view(torch.int16),
-                                                       ref.scale.view(torch.int16))
-    with pytest.raises(RuntimeError, match="whole 210-byte blocks"):
-        torch.ops.tandem.q6_k_to_int8(torch.from_numpy(q6k[:, :-1].copy()))
+    for kind, size, d_at in (("Q6_K", 210, [208]), ("Q5_K", 176, [0, 2])):
+        raw = _k_blocks(rng, 37, 3, size, d_at)
+        ref = quantize_int8_groups(torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind])))
+        data, scale = tg._BLOCK_DECODERS[kind](torch.from_numpy(raw))
+        assert torch.equal(data, ref.data) and torch.equal(scale.view(torch.int16),
+                                                           ref.scale.view(torch.int16))
+        assert (data != 0).float().mean() > 0.5  # not a degenerate all-zero case
+        with pytest.raises(RuntimeError, match=f"whole {size}-byte blocks"):
+            tg._BLOCK_DECODERS[kind](torch.from_numpy(raw[:, :-1].copy()))
+
+
+def test_requantized_k_quants_without_kernels(monkeypatch):
+    """Without tandem's kernels Q5_K / Q6_K go through gguf's dequantize and the
+    torch quantizer: int8 groups within half a step of gguf's values."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    monkeypatch.setattr(custom_ops, "available", lambda: False)
+    rng = np.random.default_rng(2)
+    for kind, size, d_at in (("Q6_K", 210, [208]), ("Q5_K", 176, [0, 2])):
+        raw = _k_blocks(rng, 5, 2, size, d_at)
+        data, scale = tg._BLOCK_DECODERS[kind](torch.from_numpy(raw))
+        w = tg._quantized_weight(data, scale).dequantize()
+        ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]))
+        step = scale.float().repeat_interleave(32, 1)
+        assert ((w - ref).abs() <= step / 2 + 1e-6).all()
 
 
 def test_unsupported_architecture_is_named(tmp_path):

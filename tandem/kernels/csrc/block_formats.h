@@ -1,11 +1,11 @@
 // GGUF's K-quant blocks as tandem's groups of 32, at load time: Q4_K as int4
-// groups (exact up to the fp16 rounding of each group's scale and lo), Q6_K
-// requantized to int8 groups (Q8_0's rule: scale absmax / 127 in fp16). The
-// reference is tandem/model/gguf.py (_decode_q4_k, and gguf's dequantize then
-// quantize_int8_groups for Q6_K): same float operations in the same order, so
-// the same bits. A Q4_K_M file is mostly these two formats; numpy took
-// ~10 ms per MB of Q4_K and held an fp32 copy of each Q6_K tensor (2.1 GB for
-// an 8B model's LM head).
+// groups (exact up to the fp16 rounding of each group's scale and lo), Q5_K
+// and Q6_K requantized to int8 groups (Q8_0's rule: scale absmax / 127 in
+// fp16). The reference is tandem/model/gguf.py (_decode_q4_k, and gguf's
+// dequantize then quantize_int8_groups for the others): same float operations
+// in the same order, so the same bits. Q4_K_M and Q5_K_M files are mostly
+// these formats; numpy took ~10 ms per MB of Q4_K and held an fp32 copy of
+// each requantized tensor (2.1 GB for an 8B model's LM head).
 #pragma once
 
 #include "common.h"
@@ -15,7 +15,7 @@ namespace tandem {
 namespace {
 
 constexpr int64_t kSuperBlock = 256;  // values per K-quant super-block
-constexpr int64_t kQ4KBytes = 144, kQ6KBytes = 210;
+constexpr int64_t kQ4KBytes = 144, kQ5KBytes = 176, kQ6KBytes = 210;
 
 // Contiguous rows of whole super-blocks: [rows, blocks * size] uint8.
 int64_t check_blocks(const at::Tensor& raw, int64_t size, const char* what) {
@@ -26,6 +26,15 @@ int64_t check_blocks(const at::Tensor& raw, int64_t size, const char* what) {
 }
 
 uint16_t to_half(float v) { return c10::Half(v).x; }
+
+// Q4_K's and Q5_K's 6-bit scale and min of sub-block j from their 12 bytes
+// (4 bytes low scales, 4 low mins, 4 holding both's high bits).
+int k_scale(const uint8_t* sc, int j) {
+  return j < 4 ? sc[j] & 63 : (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
+}
+int k_min(const uint8_t* sc, int j) {
+  return j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+}
 
 }  // namespace
 
@@ -55,10 +64,8 @@ std::vector<at::Tensor> q4_k_to_int4(const at::Tensor& raw) {
         const uint8_t* qs = blk + 16;
         const int64_t g0 = r * G + b * 8;
         for (int j = 0; j < 8; j++) {
-          const int s = j < 4 ? sc[j] & 63 : (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
-          const int m = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-          ds[g0 + j] = to_half(d * static_cast<float>(s));
-          dl[g0 + j] = to_half(-(dmin * static_cast<float>(m)));
+          ds[g0 + j] = to_half(d * static_cast<float>(k_scale(sc, j)));
+          dl[g0 + j] = to_half(-(dmin * static_cast<float>(k_min(sc, j))));
           const uint8_t* chunk = qs + 32 * (j / 2);
           uint8_t* out = dq + (g0 + j) * 16;
           for (int i = 0; i < 16; i++)
@@ -70,12 +77,14 @@ std::vector<at::Tensor> q4_k_to_int4(const at::Tensor& raw) {
   return {data, scale, lo};
 }
 
-// Q6_K super-blocks (128 bytes of low nibbles, 64 of high 2-bit pairs, 16
-// int8 scales of 16 values each, fp16 d; w = d * sc * (q - 32)) -> int8 groups
-// of 32 [rows, G, 32] with fp16 scale absmax / 127 [rows, G], rounded half to
-// even as torch.round.
-std::vector<at::Tensor> q6_k_to_int8(const at::Tensor& raw) {
-  const int64_t nsb = check_blocks(raw, kQ6KBytes, "q6_k_to_int8"), rows = raw.size(0);
+// Super-blocks of `size` bytes -> int8 groups of 32 [rows, G, 32] with fp16
+// scale absmax / 127 [rows, G] (quantize_int8_groups' rule, rounded half to
+// even as torch.round), each super-block dequantized by dequant(block, y[256])
+// first, in gguf's float operations and order.
+template <typename Dequant>
+std::vector<at::Tensor> k_quant_to_int8(const at::Tensor& raw, int64_t size, const char* what,
+                                        const Dequant& dequant) {
+  const int64_t nsb = check_blocks(raw, size, what), rows = raw.size(0);
   const int64_t G = nsb * 8;
   auto data = at::empty({rows, G, 32}, raw.options().dtype(at::kChar));
   auto scale = at::empty({rows, G}, raw.options().dtype(at::kHalf));
@@ -86,30 +95,7 @@ std::vector<at::Tensor> q6_k_to_int8(const at::Tensor& raw) {
     float y[kSuperBlock];
     for (int64_t r = r0; r < r1; r++)
       for (int64_t b = 0; b < nsb; b++) {
-        const uint8_t* blk = src + r * raw.stride(0) + b * kQ6KBytes;
-        const uint8_t* ql = blk;
-        const uint8_t* qh = blk + 128;
-        const auto* sc = reinterpret_cast<const int8_t*>(blk + 192);
-        uint16_t dh;
-        std::memcpy(&dh, blk + 208, 2);
-        const float d = half_to_float(dh);
-        for (int half = 0; half < 2; half++) {  // 128 values each
-          const uint8_t* l = ql + 64 * half;
-          const uint8_t* h = qh + 32 * half;
-          const int8_t* s = sc + 8 * half;
-          float* o = y + 128 * half;
-          for (int i = 0; i < 32; i++) {
-            const int is = i / 16;
-            const int q1 = ((l[i] & 15) | ((h[i] & 3) << 4)) - 32;
-            const int q2 = ((l[i + 32] & 15) | (((h[i] >> 2) & 3) << 4)) - 32;
-            const int q3 = ((l[i] >> 4) | (((h[i] >> 4) & 3) << 4)) - 32;
-            const int q4 = ((l[i + 32] >> 4) | (((h[i] >> 6) & 3) << 4)) - 32;
-            o[i] = d * static_cast<float>(s[is]) * static_cast<float>(q1);
-            o[i + 32] = d * static_cast<float>(s[is + 2]) * static_cast<float>(q2);
-            o[i + 64] = d * static_cast<float>(s[is + 4]) * static_cast<float>(q3);
-            o[i + 96] = d * static_cast<float>(s[is + 6]) * static_cast<float>(q4);
-          }
-        }
+        dequant(src + r * raw.stride(0) + b * size, y);
         for (int g = 0; g < 8; g++) {
           const float* v = y + 32 * g;
           float amax = 0.f;
@@ -125,6 +111,57 @@ std::vector<at::Tensor> q6_k_to_int8(const at::Tensor& raw) {
       }
   });
   return {data, scale};
+}
+
+// Q6_K super-blocks (128 bytes of low nibbles, 64 of high 2-bit pairs, 16
+// int8 scales of 16 values each, fp16 d): w = (d sc) (q - 32).
+std::vector<at::Tensor> q6_k_to_int8(const at::Tensor& raw) {
+  return k_quant_to_int8(raw, kQ6KBytes, "q6_k_to_int8", [](const uint8_t* blk, float* y) {
+    const auto* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    uint16_t dh;
+    std::memcpy(&dh, blk + 208, 2);
+    const float d = half_to_float(dh);
+    for (int half = 0; half < 2; half++) {  // 128 values each
+      const uint8_t* l = blk + 64 * half;
+      const uint8_t* h = blk + 128 + 32 * half;
+      const int8_t* s = sc + 8 * half;
+      float* o = y + 128 * half;
+      for (int i = 0; i < 32; i++) {
+        const int is = i / 16;
+        const int q1 = ((l[i] & 15) | ((h[i] & 3) << 4)) - 32;
+        const int q2 = ((l[i + 32] & 15) | (((h[i] >> 2) & 3) << 4)) - 32;
+        const int q3 = ((l[i] >> 4) | (((h[i] >> 4) & 3) << 4)) - 32;
+        const int q4 = ((l[i + 32] >> 4) | (((h[i] >> 6) & 3) << 4)) - 32;
+        o[i] = d * static_cast<float>(s[is]) * static_cast<float>(q1);
+        o[i + 32] = d * static_cast<float>(s[is + 2]) * static_cast<float>(q2);
+        o[i + 64] = d * static_cast<float>(s[is + 4]) * static_cast<float>(q3);
+        o[i + 96] = d * static_cast<float>(s[is + 6]) * static_cast<float>(q4);
+      }
+    }
+  });
+}
+
+// Q5_K super-blocks (fp16 d, dmin; Q4_K's 12 bytes of scales and mins; 32
+// bytes whose bit j is sub-block j's fifth bit; 128 bytes of nibbles as
+// Q4_K's): w = (d sc) q - dmin m per sub-block of 32.
+std::vector<at::Tensor> q5_k_to_int8(const at::Tensor& raw) {
+  return k_quant_to_int8(raw, kQ5KBytes, "q5_k_to_int8", [](const uint8_t* blk, float* y) {
+    uint16_t dh, mh;
+    std::memcpy(&dh, blk, 2);
+    std::memcpy(&mh, blk + 2, 2);
+    const float d = half_to_float(dh), dmin = half_to_float(mh);
+    const uint8_t* qh = blk + 16;
+    const uint8_t* qs = blk + 48;
+    for (int j = 0; j < 8; j++) {
+      const float ds = d * static_cast<float>(k_scale(blk + 4, j));
+      const float dm = dmin * static_cast<float>(k_min(blk + 4, j));
+      const uint8_t* chunk = qs + 32 * (j / 2);
+      for (int i = 0; i < 32; i++) {
+        const int lo = j % 2 == 0 ? chunk[i] & 15 : chunk[i] >> 4;
+        y[32 * j + i] = ds * static_cast<float>(lo | (((qh[i] >> j) & 1) << 4)) - dm;
+      }
+    }
+  });
 }
 
 }  // namespace tandem
