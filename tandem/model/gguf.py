@@ -603,7 +603,10 @@ class GGUFWeights:
             except (ValueError, RuntimeError) as e:
                 raise ValueError(f"{self.src}: tensor {t.name} ({kind}): {e}") from e
         data = raw.numpy().view(np.dtype(t.dtype)).reshape(t.data_shape)
-        w = torch.from_numpy(_dequantized(self.src, t, heads, data))
+        w = _dequantized(self.src, t, heads, data)
+        if np.may_share_memory(w, data):  # F32 as stored: the model's own copy, not the map's
+            w = w.copy()
+        w = torch.from_numpy(w)
         if kind in _FLOAT_TYPES or w.dim() != 2:
             return w
         # A block format without a kernel of tandem's: int8 in groups of 32.
@@ -613,11 +616,12 @@ class GGUFWeights:
 
 
 def _mapped(src: Path, t: StoredTensor) -> torch.Tensor:
-    """Tensor t's bytes, uint8, mapped read-only from the file. Mapped, not read:
-    the kernels' packing reads a block format in place, so a quantized tensor
-    is never copied before it is packed (nothing writes these tensors). The
-    mapping lives as long as a tensor viewing it; mapped pages count as
-    resident only until then, one layer's tensors at a time."""
+    """Tensor t's bytes, uint8, mapped read-only from the file (a write would
+    fault: what the model keeps is copied or packed from them). Mapped, not
+    read: the kernels' packing reads a block format in place, so a quantized
+    tensor is never copied before it is packed. The mapping lives as long as a
+    tensor viewing it; mapped pages count as resident only until then, one
+    layer's tensors at a time."""
     start = t.data_offset - t.data_offset % mmap.ALLOCATIONGRANULARITY
     size = t.data_offset + t.n_bytes - start
     try:

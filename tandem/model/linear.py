@@ -359,8 +359,10 @@ class Int4Linear(_QuantLinear):
                     tiles.halves(p.lo_or_offset(), row0, 288)
                 row0 += p.data.shape[0]
             self.packed = tiles.buf
-        else:
-            self._weight = QuantizedWeight.cat(parts)  # dequantized per call (no kernel here)
+        else:  # dequantized per call (no kernel here), from copies, not a file's mapping
+            w = QuantizedWeight.cat(parts)
+            self._weight = QuantizedWeight(w.kind, w.data.contiguous(), w.scale.contiguous(),
+                                           None if w.lo is None else w.lo.contiguous())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel:
