@@ -2,8 +2,8 @@
 machine's bandwidth and compute ceilings, measured in the same run.
 
 Workload: synthetic Llama GGUFs at real shapes (benchmarks/synthetic_gguf.py:
-random weights, SmolLM2's tokenizer; cached), by default the 1B shape as F16, Q8_0 and
-Q4_0 files (``--shape 8b`` for the 8B one). Each file is served by
+random weights, SmolLM2's tokenizer; cached), by default the 1B shape as F16, Q8_0,
+Q4_0 and Q4_K_M files (``--shape 8b`` for the 8B one). Each file is served by
 ``tandem serve --model FILE --kv-cache-memory K`` (``--quantization X`` only when given)
 and measured:
 
@@ -37,7 +37,7 @@ Targets: 1 stream >= 0.85 of the bandwidth ceiling; >= 200 tok/s at 16
 streams with p99 ITL <= 400 ms (1.2B int8); peak RSS during load <= 1.3 x
 (weights + KV pool), KV pool = the size the server logs at start-up (else --kv-cache-memory).
 
-    .venv/bin/python benchmarks/real_models.py [--shape 1b] [--types f16 q8_0 q4_0]
+    .venv/bin/python benchmarks/real_models.py [--shape 1b] [--types f16 q8_0 q4_0 q4_k_m]
         [--quantization X] [--streams 1 16 32] [--prompts-per-stream 1] [--kv-cache-memory 2GiB]
 """
 
@@ -338,7 +338,7 @@ def print_targets(results: list[Result], bw: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", nargs="+", default=["1b"], choices=["1b", "8b"])
-    ap.add_argument("--types", nargs="+", default=["f16", "q8_0", "q4_0"])
+    ap.add_argument("--types", nargs="+", default=["f16", "q8_0", "q4_0", "q4_k_m"])
     ap.add_argument("--quantization", default=None,
                     help="passed to tandem serve as --quantization (default: not passed)")
     ap.add_argument("--streams", nargs="+", type=int, default=[1, 16, 32])
