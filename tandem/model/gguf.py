@@ -634,6 +634,13 @@ def _mapped(src: Path, t: StoredTensor) -> torch.Tensor:
                 m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ, offset=start)
     except ValueError:  # the file ends before the tensor does
         raise ValueError(f"{src}: tensor {t.name} is truncated") from None
+    except OSError:  # a file system without mmap: read the bytes instead
+        buf = np.empty(t.n_bytes, dtype=np.uint8)
+        with open(src, "rb") as f:
+            f.seek(t.data_offset)
+            if f.readinto(buf) != t.n_bytes:
+                raise ValueError(f"{src}: tensor {t.name} is truncated") from None
+        return torch.from_numpy(buf)
     with warnings.catch_warnings():  # torch's "not writable" warning: nothing writes them
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(m, dtype=torch.uint8, count=t.n_bytes,

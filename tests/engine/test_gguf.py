@@ -8,6 +8,7 @@ qwen3, GQA un-permutation, llama3 rope_freqs, unsupported architectures.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import threading
@@ -72,13 +73,19 @@ def _assert_same_weights(out: Path, ref: dict[str, torch.Tensor], tied: bool,
     # of tensors (gguf's reader not opened at all).
     with mock.patch.object(tg, "_checked", side_effect=AssertionError("parsed")):
         listed = tg.GGUFWeights(src, out)
-    for native in (tg.GGUFWeights(src), listed):
+
+    def check(native: tg.GGUFWeights) -> None:
         assert native.num_tensors == len(expected)
         for name in expected:
             t = native.pop(name)
             # The model's own memory, not the file's read-only mapping (a write would fault).
             t = t.mul_(1) if isinstance(t, torch.Tensor) else t.dequantize()
             assert torch.equal(t, ref[name]), name
+
+    check(tg.GGUFWeights(src))
+    check(listed)
+    with mock.patch.object(tg.mmap, "mmap", side_effect=OSError("no mmap")):
+        check(tg.GGUFWeights(src, out))  # a file system without mmap: the bytes are read
 
 
 # ------------------------------------------------------------------ the real model
@@ -429,6 +436,22 @@ def test_phi3_without_window_and_refusals(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="'longrope'"):
         tg.gguf_to_hf_dir(src, cache_root=tmp_path / "c")
+
+
+@pytest.mark.parametrize("mapped", [True, False], ids=["mmap", "read"])
+def test_a_tensor_cut_off_by_the_file_end_is_named(tmp_path, mapped):
+    src = _write_tiny_gguf(tmp_path / "q.gguf", "llama", heads=4, kv=2, hidden=64, ffn=96,
+                           qtype="Q8_0")
+    native = tg.GGUFWeights(src)
+    size = src.stat().st_size
+    with open(src, "r+b") as f:
+        f.truncate(size - 100)  # into the last tensor's bytes
+    last = max(native._names, key=lambda n: native._names[n][0].data_offset)
+    with contextlib.ExitStack() as stack:
+        if not mapped:
+            stack.enter_context(mock.patch.object(tg.mmap, "mmap", side_effect=OSError("no")))
+        with pytest.raises(ValueError, match="is truncated"):
+            native.pop(last)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
