@@ -25,7 +25,8 @@ _ALIGN = 64  # bytes: every tensor starts on a cache line
 
 
 class HugePageArena:
-    """Copies tensors into large anonymous mappings advised MADV_HUGEPAGE.
+    """Places tensors (new ones, or copies) in large anonymous mappings advised
+    MADV_HUGEPAGE.
 
     Mappings of ``chunk_bytes`` (a larger tensor gets its own) are filled one
     after another; a mapping lives as long as any tensor in it. Memory is
