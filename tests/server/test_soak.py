@@ -200,7 +200,11 @@ async def _bad_inputs(s: RunningServer, tally: Tally, deadline: float) -> None:
 
 async def _load(s: RunningServer, tally: Tally) -> None:
     deadline = time.monotonic() + SECONDS
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    # Idle connections leave the pool before the server's keep-alive (uvicorn's
+    # 5 s) closes them: at httpx's default expiry, also 5 s, a burst could pick a
+    # connection the server was closing that instant (ReadError, seen once).
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64,
+                          keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=s.url, timeout=120, limits=limits) as client:
         async def worker(seed: int) -> None:
             rng = random.Random(seed)
