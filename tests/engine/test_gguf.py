@@ -78,7 +78,7 @@ def _assert_same_weights(out: Path, ref: dict[str, torch.Tensor], tied: bool,
         assert native.num_tensors == len(expected)
         for name in expected:
             t = native.pop(name)
-            # The model's own memory, not the file's read-only mapping (a write would fault).
+            # Writable (and, for floats, the model's own copy rather than the file's mapping).
             t = t.mul_(1) if isinstance(t, torch.Tensor) else t.dequantize()
             assert torch.equal(t, ref[name]), name
 
