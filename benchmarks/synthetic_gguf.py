@@ -18,8 +18,8 @@ Q4_K, with Q6_K for the LM head and for attn_v and ffn_down in the layers
 llama.cpp gives more bits (the first and last eighth, every third between).
 gguf.quants cannot quantize K-quants (0.19), so their blocks are random bytes
 with small fp16 super-block scales (weights within ~0.1): as random as the
-others, and decoded exactly as a real file's. The norm weights are F32 ones. The LM head is untied
-(``output.weight``). Weights are N(0, 0.02), drawn per row-chunk from a seed
+others, and decoded exactly as a real file's. The norm weights are F32 ones.
+The LM head is untied (``output.weight``). Weights are N(0, 0.02), drawn per row-chunk from a seed
 derived from (seed, tensor, chunk), so a file is reproducible. numpy does this
 at ~55 M params/s on one core here (threads did not help: 1B in ~30 s, 8B in
 ~2.5 min).
@@ -82,9 +82,9 @@ TYPES = {
     "q4_0": (Q.Q4_0, LlamaFileType.MOSTLY_Q4_0),
     "q4_k_m": (Q.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
 }
-# K-quant super-blocks: bytes, and where their fp16 scales lie (d, dmin for Q4_K)
-# with the largest value each may take so that |w| stays within ~0.1.
-K_BLOCKS = {Q.Q4_K: (144, {0: 1e-4, 2: 1e-4}), Q.Q6_K: (210, {208: 2.5e-5})}
+# K-quant super-blocks: where their fp16 scales lie (d, dmin for Q4_K), with the
+# largest value each may take so that |w| stays within ~0.1.
+K_BLOCKS = {Q.Q4_K: {0: 1e-4, 2: 1e-4}, Q.Q6_K: {208: 2.5e-5}}
 
 
 def tensor_type(qtype_name: str, name: str, layers: int) -> Q:
@@ -186,11 +186,10 @@ def _matrix(shape: tuple[int, int], qtype: Q, seed: int, index: int) -> np.ndarr
 
 def _random_k_blocks(shape: tuple[int, int], qtype: Q, seed: int, index: int) -> np.ndarray:
     """K-quant blocks of random bytes, their fp16 scales uniform in [0, K_BLOCKS' bound)."""
-    size, scales = K_BLOCKS[qtype]
     rng = np.random.default_rng([seed, index])
     out = rng.integers(0, 256, quant_shape_to_byte_shape(shape, qtype), dtype=np.uint8)
-    blocks = out.reshape(shape[0], -1, size)
-    for at, bound in scales.items():
+    blocks = out.reshape(shape[0], -1, gguf.GGML_QUANT_SIZES[qtype][1])
+    for at, bound in K_BLOCKS[qtype].items():
         d = (rng.random(blocks.shape[:2], dtype=np.float32) * bound).astype(np.float16)
         blocks[:, :, at:at + 2] = d[..., None].view(np.uint8)
     return out

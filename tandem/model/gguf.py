@@ -688,7 +688,7 @@ def _decode_q4_k(data: torch.Tensor) -> list:
     return _decode_q4_k_numpy(data)
 
 
-def _requantized(kind: str, size: int) -> Callable[[torch.Tensor], list]:
+def _requantized(kind: str) -> Callable[[torch.Tensor], list]:
     """The decoder of a K-quant format requantized to int8 groups of 32
     (quantize_int8_groups' rule): its kernel when built (no fp32 copy of the
     tensor), else gguf's numpy dequantize and the torch quantizer."""
@@ -699,10 +699,11 @@ def _requantized(kind: str, size: int) -> Callable[[torch.Tensor], list]:
 
         if custom_ops.available():
             return getattr(torch.ops.tandem, f"{kind.lower()}_to_int8")(data)
-        from gguf import GGMLQuantizationType
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
         from gguf.quants import dequantize
 
-        w = dequantize(_blocks(data, size).numpy(), GGMLQuantizationType[kind])
+        qtype = GGMLQuantizationType[kind]
+        w = dequantize(_blocks(data, GGML_QUANT_SIZES[qtype][1]).numpy(), qtype)
         qw = quantize_int8_groups(torch.from_numpy(w.reshape(data.shape[0], -1)))
         return [qw.data, qw.scale]
 
@@ -732,8 +733,8 @@ def _decode_q4_k_numpy(data: torch.Tensor) -> list:
 # Block formats read as tandem's int8 / int4 groups: exactly, but Q5_K (5 bits
 # and a minimum) and Q6_K (16-value sub-blocks), requantized to int8 groups.
 _BLOCK_DECODERS = {"Q8_0": _decode_q8_0, "Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1,
-                   "Q4_K": _decode_q4_k, "Q5_K": _requantized("Q5_K", 176),
-                   "Q6_K": _requantized("Q6_K", 210)}
+                   "Q4_K": _decode_q4_k, "Q5_K": _requantized("Q5_K"),
+                   "Q6_K": _requantized("Q6_K")}
 
 
 def _write_tokenizer(src: Path, dest: Path) -> None:

@@ -18,8 +18,13 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Callable
 
 import torch
+
+# Where a tensor is placed: (shape, dtype) -> a new CPU tensor (torch.empty's,
+# or a HugePageArena's).
+Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
 _ALIGN = 64  # bytes: every tensor starts on a cache line
 

@@ -29,21 +29,16 @@ Quantization trades a little quality for fewer bytes read per decode step
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from enum import IntEnum
 
 import torch
 import torch.nn.functional as F
 
 from tandem.kernels import custom_ops
+from tandem.model.hugepages import Allocator
 
 INT4_GROUP_SIZE = 32
 INT8_GROUP_SIZE = 32  # inputs per activation scale (tandem/kernels/csrc/quant_linear.h: kInt8Group)
-
-# Where packed weights are allocated: (shape, dtype) -> an uninitialised CPU
-# tensor (the loader passes a HugePageArena's: decode streams them faster).
-Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
-
 
 def _torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
@@ -401,18 +396,19 @@ def quantization_level(lin: Linear) -> str:
 
 def make_linear(
     w: torch.Tensor | Parts, bias: torch.Tensor | None = None,
-    quantization: str = "none", alloc: Allocator = _torch_empty,
+    quantization: str = "none", alloc: Allocator | None = None,
 ) -> Linear:
     """The Linear for a weight (or a fused matmul's parts): float weights are
     quantized to ``quantization``; blocks are kept as they are when the kinds
     match, else dequantized first. ``alloc`` places a quantized Linear's packed
-    weights."""
+    weights (the loader passes a HugePageArena's: decode streams them faster;
+    None: torch.empty)."""
     if not isinstance(w, torch.Tensor) and any(p.kind != quantization for p in _parts(w)):
         w = torch.cat([p.dequantize() for p in _parts(w)])
     if quantization == "int8":
-        return Int8Linear(w, bias, alloc)
+        return Int8Linear(w, bias, alloc or _torch_empty)
     if quantization == "int4":
-        return Int4Linear(w, bias, alloc)
+        return Int4Linear(w, bias, alloc or _torch_empty)
     if quantization != "none":
         raise ValueError(f"a weight is none, int8 or int4, not {quantization!r}")
     return DenseLinear(w, bias)

@@ -226,7 +226,7 @@ def fuse_weights(
     # Matmul weights on CPU go to huge pages: decode streams them faster
     # (tandem/model/hugepages.py); quantized ones are packed straight there.
     arena = HugePageArena() if device.type == "cpu" else None
-    alloc = {} if arena is None else {"alloc": arena.empty}
+    alloc = None if arena is None else arena.empty
 
     def dense(t: torch.Tensor) -> torch.Tensor:
         return arena.copy(put(t)) if arena is not None else put(t)
@@ -241,11 +241,11 @@ def fuse_weights(
         kind = kind or target(parts)
         bias = None if bias is None else put(bias)
         if all(isinstance(p, QuantizedWeight) and p.kind == kind for p in parts):
-            return make_linear([p.to(device) for p in parts], bias, kind, **alloc)
+            return make_linear([p.to(device) for p in parts], bias, kind, alloc)
         w = put(parts[0]) if len(parts) == 1 else torch.cat([put(p) for p in parts])
         if kind == "none":
             return DenseLinear(dense(w), bias)
-        return make_linear(w, bias, kind, **alloc)
+        return make_linear(w, bias, kind, alloc)
 
     quantized = quantization in ("int8", "int4") or (quantization == "auto" and src.quantized)
     try:

@@ -15,8 +15,8 @@ namespace tandem {
 
 namespace {
 
-// The tiles [tiles, G, GB] a part of n rows at row0 writes, and a check that
-// it fits them.
+// Checks that a part of n rows at row0, writing `bytes` at `offset` of each
+// group, fits the tiles dest [tiles, G, GB].
 void check_part(const at::Tensor& dest, int64_t n, int64_t groups, int64_t row0,
                 int64_t bytes, int64_t offset, const char* what) {
   TORCH_CHECK(dest.device().is_cpu() && dest.scalar_type() == at::kByte && dest.dim() == 3 &&
