@@ -26,7 +26,13 @@ from safetensors import safe_open
 
 from tandem.model.gguf import GGUFWeights, default_model_path, gguf_to_hf_dir
 from tandem.model.hugepages import HugePageArena
-from tandem.model.linear import DenseLinear, Linear, QuantizedWeight, make_linear
+from tandem.model.linear import (
+    DenseLinear,
+    Linear,
+    QuantizedWeight,
+    make_linear,
+    quantize_int8_groups,
+)
 from tandem.model.llama import LlamaModel, ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -208,8 +214,9 @@ def fuse_weights(
     Q/K/V become one matmul and gate/up another. ``quantization``: "none"
     (float), "int8" / "int4" (every layer matmul; the LM head int8), or
     "auto": what the source holds (a GGUF's block formats, each fused matmul
-    in its widest part's format, the LM head in its own; float sources stay
-    float). A quantized model keeps its embedding in fp16 for the row lookup.
+    in its widest part's format: int8 groups of 32 when its parts differ; the
+    LM head in its own; float sources stay float). A quantized model keeps its
+    embedding in fp16 for the row lookup.
     """
 
     def take(name: str) -> torch.Tensor | QuantizedWeight:
@@ -240,6 +247,14 @@ def fuse_weights(
     def lin(parts: list, bias: torch.Tensor | None = None, kind: str | None = None) -> Linear:
         kind = kind or target(parts)
         bias = None if bias is None else put(bias)
+        if kind == "int8" and quantization == "auto" and all(
+                isinstance(p, QuantizedWeight) for p in parts):
+            # A fused matmul of mixed block formats (Q4_K_M's Q4_K attn_q / attn_k
+            # with a Q6_K attn_v): int8 groups of 32 part by part, so the int8
+            # parts stay exact and the others lose far less than to one scale
+            # per output row of the whole matmul.
+            parts = [p if p.kind == "int8" else quantize_int8_groups(p.dequantize())
+                     for p in parts]
         if all(isinstance(p, QuantizedWeight) and p.kind == kind for p in parts):
             return make_linear([p.to(device) for p in parts], bias, kind, alloc)
         w = put(parts[0]) if len(parts) == 1 else torch.cat([put(p) for p in parts])

@@ -468,6 +468,34 @@ def test_block_formats_are_read_exactly(tmp_path, qtype):
     _assert_same_weights(out, _hf_state_dict(src), tied=True, src=src)
 
 
+def test_a_fused_matmul_of_mixed_formats_is_int8_groups(tmp_path, monkeypatch):
+    """Q/K in Q4_1 beside a Q8_0 V (as Q4_K_M puts Q6_K beside Q4_K): the fused
+    matmul is int8 in groups of 32 part by part, so V's rows stay exactly the
+    file's and Q/K lose at most half a group's step, not a whole row's."""
+    from tandem.model.llama import ModelConfig
+    from tandem.model.loader import fuse_weights, read_hf_config
+
+    src = _write_tiny_gguf(tmp_path / "mixed.gguf", "llama", heads=4, kv=2, hidden=64, ffn=96,
+                           qtype=lambda name: "Q8_0" if name == "attn_v" else "Q4_1")
+    out = tg.gguf_to_hf_dir(src, cache_root=tmp_path / "cache")
+    ref = _hf_state_dict(src)
+    monkeypatch.setattr(custom_ops, "available", lambda: False)  # keeps q: dequantize()
+    cfg = ModelConfig.from_hf(read_hf_config(out))
+    weights = fuse_weights(cfg, tg.GGUFWeights(src, out), torch.float32, torch.device("cpu"),
+                           "auto")
+    for i, layer in enumerate(weights["layers"]):
+        qkv = layer["qkv"]
+        assert qkv.grouped
+        got = qkv.dequantize()
+        a = f"model.layers.{i}.self_attn."
+        q, k, v = (ref[a + f"{n}_proj.weight"] for n in "qkv")
+        assert torch.equal(got[-v.shape[0]:], v)
+        qk = torch.cat([q, k])
+        step = qk.view(qk.shape[0], -1, 32).abs().amax(-1, keepdim=True) / 127
+        err = (got[: qk.shape[0]] - qk).view(qk.shape[0], -1, 32).abs()
+        assert (err <= step / 2 * 1.01 + 1e-7).all()
+
+
 def test_q4_k_super_blocks_decode_to_int4_groups():
     """Q4_K's 6-bit sub-block scales and mins unpacked by tandem agree with
     gguf's own dequantization (up to the fp16 rounding of each group's scale)."""
