@@ -25,9 +25,15 @@ Baselines, measured in this run:
   the GGUF's tensor bytes excluding token_embd and norms). The GGUF figure is printed
   too, with its ceiling: what a step reads serving the file's own format.
 * compute ceiling = matmul throughput of this CPU (torch.mm at M=128 of a 2048x2048
-  matrix: fp32, bf16, and int8 through torch._int_mm) / (2 x params in the matmuls,
-  i.e. all matrices but token_embd); 16/32-stream tok/s is printed as a ratio of the
-  int8 and fp32 ceilings.
+  matrix: fp32, bf16, and int8 through torch._int_mm) / the matmul FLOP one output
+  token of this workload costs: its decode step (2 x the matmul params, LM head
+  included) plus its share of the prompt (128 prompt tokens per 128 output tokens, at
+  2 x the params but the LM head's, which a prompt token skips); 16/32-stream tok/s is
+  printed as a ratio of the int8 and fp32 ceilings. Attention's FLOP (~1% at these
+  lengths) are left out, so the ceiling is an upper bound.
+* the bandwidth is probed again just before each file's serving points (the server
+  idle): this VM's read bandwidth moved by 2x between minutes, and a ratio against a
+  probe taken long before its run measures the drift, not the engine.
 
 The 1-stream ratio is printed twice: output tok/s over the whole run (which
 includes each request's prefill) and decode alone (1000 / mean ITL), the
@@ -63,6 +69,7 @@ from synthetic_gguf import synthetic_gguf
 
 TANDEM = str(Path(sys.executable).parent / "tandem")
 DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
+INPUT_LEN = OUTPUT_LEN = 128  # tokens per request: tandem bench serve --input-len / --output-len
 QUANT_LEVELS = frozenset({"INT8", "Q8_0", "Q4_0", "Q4_1"})  # tandem.model.linear.quantization_level
 KV_LOG = re.compile(r"KV cache \([^)]*\): .*?\(([\d.]+) GiB\)")
 
@@ -102,16 +109,19 @@ class FileInfo:
     params: int  # all tensors
     matmul_params: int  # 2-D tensors but token_embd
     embed_elems: int  # token_embd: a row lookup, not streamed by a decode step
+    lm_head_elems: int  # output.weight, or token_embd when the embeddings are tied
     norm_elems: int  # the 1-D norm vectors (negligible, but counted in /api/ps)
     file_read_per_token: int  # GGUF bytes of the matmul tensors
 
 
 def file_info(path: Path) -> FileInfo:
     r = gguf.GGUFReader(str(path))
-    params = matmul = embed = norms = read = 0
+    params = matmul = embed = norms = read = output = 0
     for t in r.tensors:
         n = int(t.n_elements)
         params += n
+        if t.name == "output.weight":
+            output = n
         if t.name == "token_embd.weight":
             embed += n
         elif len(t.shape) == 1:
@@ -119,7 +129,14 @@ def file_info(path: Path) -> FileInfo:
         else:
             matmul += n
             read += int(t.n_bytes)
-    return FileInfo(path, path.stat().st_size, params, matmul, embed, norms, read)
+    return FileInfo(path, path.stat().st_size, params, matmul, embed, output or embed, norms,
+                    read)
+
+
+def flop_per_output_token(i: FileInfo) -> float:
+    """Matmul FLOP per output token of INPUT_LEN-token prompts and OUTPUT_LEN-token replies."""
+    body = i.matmul_params - (0 if i.lm_head_elems == i.embed_elems else i.lm_head_elems)
+    return 2 * ((body + i.lm_head_elems) * OUTPUT_LEN + body * INPUT_LEN) / OUTPUT_LEN
 
 
 # ------------------------------------------------------------------ the server
@@ -148,7 +165,7 @@ def run_point(url: str, streams: int, num_prompts: int, outdir: Path) -> dict:
     name = f"c{streams}.json"
     subprocess.run(
         [TANDEM, "bench", "serve", "--base-url", url, "--dataset-name", "random",
-         "--input-len", "128", "--output-len", "128", "--ignore-eos",
+         "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--ignore-eos",
          "--num-prompts", str(num_prompts), "--max-concurrency", str(streams),
          "--num-warmups", "1", "--disable-tqdm", "--no-plots", "--save-result",
          "--result-dir", str(outdir), "--result-filename", name],
@@ -173,6 +190,7 @@ class Result:
     read_source: str = ""
     kv_pool: int = 0
     kv_source: str = ""
+    bw: float = 0.0  # read bandwidth probed just before the serving points (bytes/s)
     points: dict[int, dict] = field(default_factory=dict)
 
 
@@ -206,6 +224,7 @@ def measure(label: str, path: Path, a: argparse.Namespace, port: int) -> Result:
                 res.kv_pool, res.kv_source = int(float(m.group(1)) * 2**30), "server log"
             else:
                 res.kv_pool, res.kv_source = parse_size(a.kv_cache_memory), "--kv-cache-memory"
+            res.bw = read_bandwidth_gbs() * 1e9
             for c in a.streams:
                 res.points[c] = run_point(url, c, max(2, c * a.prompts_per_stream), Path(d))
                 res.run_peak = proc_status(proc.pid)["VmHWM"]
@@ -280,18 +299,19 @@ def print_result(r: Result, bw: float, flops: dict[str, float | None]) -> None:
            else "n/a")
     print(f"   RSS             peak during load {gb(r.load_peak)} = {r.load_peak / wkv:.2f} x "
           f"(weights + KV pool); after load {gb(r.after_load)}; peak during run {run}")
+    bw = r.bw or bw
     ceiling = bw / r.read_per_token
     file_ceiling = bw / i.file_read_per_token
-    print(f"   ceilings        bandwidth {ceiling:.1f} tok/s (GGUF bytes: {file_ceiling:.1f}); "
-          + ", ".join(f"{k} compute {v / (2 * i.matmul_params):.0f} tok/s"
-                      for k, v in flops.items() if v))
+    compute = {k: v / flop_per_output_token(i) for k, v in flops.items() if v}
+    print(f"   ceilings        bandwidth {ceiling:.1f} tok/s at {bw / 1e9:.1f} GB/s (GGUF bytes: "
+          f"{file_ceiling:.1f}); compute for {INPUT_LEN} + {OUTPUT_LEN} tokens a request: "
+          + ", ".join(f"{k} {v:.0f} tok/s" for k, v in compute.items()))
     print(f"   {'streams':>7} {'tok/s':>7} {'TTFT p50':>9} {'ITL p50':>8} {'ITL p99':>8} (ms) "
           f"{'vs bw':>6} {'vs GGUF bw':>10} {'vs int8':>8} {'vs fp32':>8} {'time':>6}")
     for c, p in r.points.items():
         tps = p["output_throughput"]
         comp = "".join(
-            f" {tps / (flops[k] / (2 * i.matmul_params)):8.2f}" if flops.get(k) else f" {'-':>8}"
-            for k in ("int8", "fp32")
+            f" {tps / compute[k]:8.2f}" if k in compute else f" {'-':>8}" for k in ("int8", "fp32")
         ) if c > 1 else f" {'':8} {'':8}"
         fail = f"  ({p['failed']} failed)" if p.get("failed") else ""
         print(f"   {c:7d} {tps:7.1f} {p['median_ttft_ms']:9.0f} {p['median_itl_ms']:8.0f} "
@@ -304,12 +324,12 @@ def print_result(r: Result, bw: float, flops: dict[str, float | None]) -> None:
               f"prefill) = {dec / ceiling:.2f} of the bandwidth ceiling", flush=True)
 
 
-def print_targets(results: list[Result], bw: float) -> None:
+def print_targets(results: list[Result], bw: float, int8_flops: float | None) -> None:
     print("\ntargets: 1 stream >= 0.85 of the bandwidth ceiling; >= 200 tok/s at 16 "
           "streams with p99 ITL <= 400 ms (1.2B int8); peak RSS during load <= 1.3 x "
           "(weights + KV pool)")
     print(f"{'model':14} {'1 stream: all / decode':>22} {'16 streams tok/s, p99 ITL':>26} "
-          f"{'load RSS ratio':>15}")
+          f"{'load RSS ratio':>15}  int8 compute bound")
 
     def mark(ok: bool) -> str:
         return "ok" if ok else "MISS"
@@ -318,21 +338,28 @@ def print_targets(results: list[Result], bw: float) -> None:
         if not r.served:
             print(f"{r.label:14} {'failed':>22}")
             continue
+        rbw = r.bw or bw
         one = r.points.get(1)
         s1 = "-"
         if one:
-            overall = one["output_throughput"] * r.read_per_token / bw
+            overall = one["output_throughput"] * r.read_per_token / rbw
             s1 = f"{overall:.2f} {mark(overall >= 0.85):4}"
             if one.get("mean_itl_ms"):
-                decode = 1000 / one["mean_itl_ms"] * r.read_per_token / bw
+                decode = 1000 / one["mean_itl_ms"] * r.read_per_token / rbw
                 s1 = f"{overall:.2f} / {decode:.2f} {mark(decode >= 0.85):4}"
         p16 = r.points.get(16)
         s16 = (f"{p16['output_throughput']:.0f}, {p16['p99_itl_ms']:.0f} ms "
                f"{mark(p16['output_throughput'] >= 200 and p16['p99_itl_ms'] <= 400):4}"
                if p16 else "-")
         ratio = r.load_peak / (r.served + r.kv_pool)
+        bound = (f"  {int8_flops / flop_per_output_token(r.info):.0f} tok/s" if int8_flops
+                 else "")
         print(f"{r.label:14} {s1:>22} {s16:>26} {f'{ratio:.2f} {mark(ratio <= 1.3):4}':>15}"
-              + ("  (run failed)" if r.error else ""))
+              + bound + ("  (run failed)" if r.error else ""))
+    if int8_flops:
+        print(f"int8 compute bound: this CPU's int8 matmul rate ({int8_flops / 1e9:.0f} GFLOP/s, "
+              "torch._int_mm) over a request's matmul FLOP per output token; no batch size "
+              "serves more output tok/s than it")
 
 
 def main() -> None:
@@ -378,7 +405,7 @@ def main() -> None:
         r = measure(label, path, a, a.port)
         print_result(r, bw, flops)
         results.append(r)
-    print_targets(results, bw)
+    print_targets(results, bw, flops["int8"])
 
 
 if __name__ == "__main__":
