@@ -31,9 +31,11 @@ Baselines, measured in this run:
   2 x the params but the LM head's, which a prompt token skips); 16/32-stream tok/s is
   printed as a ratio of the int8 and fp32 ceilings. Attention's FLOP (~1% at these
   lengths) are left out, so the ceiling is an upper bound.
-* the bandwidth is probed again just before each file's serving points (the server
-  idle): this VM's read bandwidth moved by 2x between minutes, and a ratio against a
-  probe taken long before its run measures the drift, not the engine.
+* the bandwidth is probed again just before and just after each file's first
+  serving point (the server idle), and their mean is that file's ceiling: this VM's
+  read bandwidth moved between ~35 and ~65 GB/s from one minute to the next, and a
+  ratio against a probe taken long before the run measures the drift, not the
+  engine; two probes far apart say the run straddled a move.
 
 The 1-stream ratio is printed twice: output tok/s over the whole run (which
 includes each request's prefill) and decode alone (1000 / mean ITL), the
@@ -190,7 +192,14 @@ class Result:
     read_source: str = ""
     kv_pool: int = 0
     kv_source: str = ""
-    bw: float = 0.0  # read bandwidth probed just before the serving points (bytes/s)
+    # Read bandwidth (bytes/s) probed just before and just after the first serving
+    # point (the single stream's, by default), the server idle; their mean is the
+    # ceiling (0: not probed).
+    bw_probes: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def bw(self) -> float:
+        return sum(self.bw_probes) / 2
     points: dict[int, dict] = field(default_factory=dict)
 
 
@@ -224,10 +233,12 @@ def measure(label: str, path: Path, a: argparse.Namespace, port: int) -> Result:
                 res.kv_pool, res.kv_source = int(float(m.group(1)) * 2**30), "server log"
             else:
                 res.kv_pool, res.kv_source = parse_size(a.kv_cache_memory), "--kv-cache-memory"
-            res.bw = read_bandwidth_gbs() * 1e9
+            before = read_bandwidth_gbs() * 1e9
             for c in a.streams:
                 res.points[c] = run_point(url, c, max(2, c * a.prompts_per_stream), Path(d))
                 res.run_peak = proc_status(proc.pid)["VmHWM"]
+                if not any(res.bw_probes):
+                    res.bw_probes = (before, read_bandwidth_gbs() * 1e9)
         except (RuntimeError, subprocess.CalledProcessError, httpx.HTTPError, KeyError) as e:
             res.error = str(e).splitlines()[0] if isinstance(e, RuntimeError) else repr(e)
             code = proc.poll()
@@ -299,13 +310,15 @@ def print_result(r: Result, bw: float, flops: dict[str, float | None]) -> None:
            else "n/a")
     print(f"   RSS             peak during load {gb(r.load_peak)} = {r.load_peak / wkv:.2f} x "
           f"(weights + KV pool); after load {gb(r.after_load)}; peak during run {run}")
+    probes = (f" (mean of {r.bw_probes[0] / 1e9:.1f} before and {r.bw_probes[1] / 1e9:.1f} "
+              f"after the {next(iter(r.points))}-stream run)" if r.bw else " (at start)")
     bw = r.bw or bw
     ceiling = bw / r.read_per_token
     file_ceiling = bw / i.file_read_per_token
     compute = {k: v / flop_per_output_token(i) for k, v in flops.items() if v}
-    print(f"   ceilings        bandwidth {ceiling:.1f} tok/s at {bw / 1e9:.1f} GB/s (GGUF bytes: "
-          f"{file_ceiling:.1f}); compute for {INPUT_LEN} + {OUTPUT_LEN} tokens a request: "
-          + ", ".join(f"{k} {v:.0f} tok/s" for k, v in compute.items()))
+    print(f"   ceilings        bandwidth {ceiling:.1f} tok/s at {bw / 1e9:.1f} GB/s{probes} "
+          f"(GGUF bytes: {file_ceiling:.1f}); compute for {INPUT_LEN} + {OUTPUT_LEN} tokens a "
+          "request: " + ", ".join(f"{k} {v:.0f} tok/s" for k, v in compute.items()))
     print(f"   {'streams':>7} {'tok/s':>7} {'TTFT p50':>9} {'ITL p50':>8} {'ITL p99':>8} (ms) "
           f"{'vs bw':>6} {'vs GGUF bw':>10} {'vs int8':>8} {'vs fp32':>8} {'time':>6}")
     for c, p in r.points.items():
