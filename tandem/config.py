@@ -16,6 +16,7 @@ from typing import Any
 # Weight formats of the layer matmuls (tandem.model.linear; "auto" is
 # tandem.model.loader.fuse_weights' rule for a GGUF's own formats).
 QUANTIZATIONS = ("none", "int8", "int4", "auto")
+KV_CACHE_DTYPES = ("auto", "fp16", "int8")  # tandem.model.kv_cache's classes
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -176,8 +177,10 @@ class EngineConfig:
         None, "KV pool size, e.g. 2GiB (CPU default 2GiB; on CUDA the default comes from "
         "--gpu-memory-utilization)", type=str)
     kv_cache_dtype: str = _flag(
-        "auto", "int8: K/V stored as int8 with a scale per token and head, ~3.8x the tokens "
-        "of an fp32 cache (~1.9x of 16-bit) in the same memory", choices=("auto", "int8"))
+        "auto", "auto: the engine's dtype (fp32 on CPU); fp16: K/V in 16-bit floats, 2x an "
+        "fp32 cache's tokens in the same memory (llama.cpp's default f16 cache); int8: K/V "
+        "int8 with a scale per token and head, ~3.8x the tokens of an fp32 cache",
+        choices=KV_CACHE_DTYPES)
     gpu_memory_utilization: float = _flag(
         0.92, "fraction of GPU memory for weights + KV cache")
     max_num_seqs: int = _flag(64, "most requests in one batch", minimum=1)

@@ -1,8 +1,15 @@
-"""One layer's paged KV cache: full precision, or int8 with a scale per token and head.
+"""One layer's paged KV cache: the engine's dtype, fp16, or int8 with a scale per
+token and head.
 
 Slots are ``block_id * block_size + offset``; dim 1 holds K (0) and V (1). A
 step writes all its new K/V with one indexed copy (``write``) and attention
 reads a sequence's context back through its slots (``gather``).
+
+The fp16 cache (llama.cpp's default f16) holds half an fp32 cache's bytes per
+token: on CPU, where the engine computes in fp32, twice the tokens fit in the
+same memory and decode attention reads half the bytes; attention converts
+what it reads to fp32 (the kernels with F16C, a load and one instruction per
+16 values).
 
 The int8 cache (like llama-server's ``--cache-type-k q8_0``) stores each
 token's K and V per head as int8 plus one fp32 scale (absmax / 127): 2 x heads
@@ -15,9 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from tandem.config import KV_CACHE_DTYPES
 from tandem.model.hugepages import Allocator, HugePageArena
-
-KV_CACHE_DTYPES = ("auto", "int8")
 
 
 def kv_zeros(device: torch.device) -> Allocator:
@@ -31,28 +37,39 @@ def kv_zeros(device: torch.device) -> Allocator:
 
 
 class DenseKVCache:
+    """K/V as floats: ``STORED``, or the engine's dtype (``dtype``, what attention
+    computes in) when None."""
+
+    STORED: torch.dtype | None = None
+
     def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device,
                  zeros: Allocator | None = None) -> None:
         zeros = zeros or kv_zeros(device)
-        self.data = zeros((num_slots, 2, num_kv_heads, head_dim), dtype)
+        self.dtype = dtype
+        self.data = zeros((num_slots, 2, num_kv_heads, head_dim), self.STORED or dtype)
 
-    @staticmethod
-    def bytes_per_token_layer(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_kv_heads * head_dim * dtype.itemsize
+    @classmethod
+    def bytes_per_token_layer(cls, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_kv_heads * head_dim * (cls.STORED or dtype).itemsize
 
     def write(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """kv: [T, 2, Hkv, D] -> the slots."""
-        self.data.index_copy_(0, slots, kv)
+        self.data.index_copy_(0, slots, kv.to(self.data.dtype))
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
-        """[N] slots -> [N, 2, Hkv, D] (index_select: ~15x cheaper per call than [])."""
-        return self.data.index_select(0, slots)
+        """[N] slots -> [N, 2, Hkv, D] in the engine's dtype (index_select: ~15x
+        cheaper per call than [])."""
+        return self.data.index_select(0, slots).to(self.dtype)
 
     @property
     def kernel_args(self) -> tuple[torch.Tensor, None]:
         """(cache, scales) as tandem's fused kernels take them."""
         return self.data, None
+
+
+class Fp16KVCache(DenseKVCache):
+    STORED = torch.float16
 
 
 class Int8KVCache:
@@ -84,12 +101,13 @@ class Int8KVCache:
 
 
 KVCache = DenseKVCache | Int8KVCache
+# One per tandem.config.KV_CACHE_DTYPES choice (the --kv-cache-dtype flag's).
+_CLASSES = {"auto": DenseKVCache, "fp16": Fp16KVCache, "int8": Int8KVCache}
 
 
 def kv_cache_class(kv_cache_dtype: str) -> type[DenseKVCache] | type[Int8KVCache]:
-    if kv_cache_dtype == "int8":
-        return Int8KVCache
-    if kv_cache_dtype != "auto":
+    try:
+        return _CLASSES[kv_cache_dtype]
+    except KeyError:
         raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                         f"got {kv_cache_dtype!r}")
-    return DenseKVCache
+                         f"got {kv_cache_dtype!r}") from None

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tandem.entrypoints.cli import main
-from tandem.model.kv_cache import DenseKVCache, Int8KVCache
+from tandem.model.kv_cache import DenseKVCache, Fp16KVCache, Int8KVCache
 from tandem.tools.plan import capacity as cap
 from tandem.tools.plan.engine_check import check_engine, compare, format_check
 from tandem.tools.plan.presets import load_model
@@ -27,6 +27,9 @@ def test_planner_int8_is_the_engines_int8_layout(head_dim):
     fp32 = layers * DenseKVCache.bytes_per_token_layer(kv_heads, head_dim, torch.float32)
     assert cap.kv_bytes_per_token(layers, kv_heads, head_dim,
                                   cap.kv_element_bytes("fp32", head_dim)) == fp32
+    fp16 = layers * Fp16KVCache.bytes_per_token_layer(kv_heads, head_dim, torch.float32)
+    assert cap.kv_bytes_per_token(layers, kv_heads, head_dim,
+                                  cap.kv_element_bytes("fp16", head_dim)) == fp16 == fp32 / 2
 
 
 def test_default_model_planned_equals_allocated(capsys):
@@ -42,6 +45,15 @@ def test_default_model_planned_equals_allocated(capsys):
     # The tied LM head is the embedding itself, as the plan counts it.
     assert chk["engine_weight_bytes"] == chk["planned_weight_bytes"]
     assert not any(n.startswith("weights:") for n in chk["notes"])
+
+
+def test_fp16_cache_planned_equals_allocated(tiny_config_path, capsys):
+    code = main(["plan", tiny_config_path, "--engine-check", "--kv-cache-dtype", "fp16",
+                 "--kv-cache-memory", "1MiB", "--json"])
+    chk = json.loads(capsys.readouterr().out)["engine_check"]
+    # 2 layers x 2 KV heads x 8 x 2 B x 2 (K and V) = 128 B per token.
+    assert code == 0 and chk["ok"] and chk["kv_cache_dtype"] == "fp16"
+    assert chk["planned_kv_bytes_per_token"] == chk["engine_kv_bytes_per_token"] == 128
 
 
 def test_int8_cache_on_the_tiny_model_with_the_plan(tiny_config_path, capsys):
@@ -82,6 +94,6 @@ def test_engine_check_refuses_what_it_cannot_start(capsys):
     assert main(["plan", "llama-3.1-8b", "--engine-check"]) == 2
     assert "is a preset" in capsys.readouterr().err
     assert main(["plan", "--engine-check", "--kv-cache-dtype", "fp8"]) == 2
-    assert "auto (the weights' dtype) or int8" in capsys.readouterr().err
+    assert "auto (the weights' dtype), fp16 or int8" in capsys.readouterr().err
     assert main(["plan", "llama-3.1-8b", "--device", "h100-sxm", "--kv-cache-memory", "1GiB"]) == 2
     assert "--kv-cache-memory goes with --engine-check" in capsys.readouterr().err

@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tandem.config import KV_CACHE_DTYPES
 from tandem.model.attention import AttentionMetadata, build_group, paged_attention
-from tandem.model.kv_cache import DenseKVCache, Int8KVCache, kv_cache_class
+from tandem.model.kv_cache import DenseKVCache, Fp16KVCache, Int8KVCache, kv_cache_class
 
 H, HKV, D, BS = 6, 2, 16, 4
 CPU = torch.device("cpu")
@@ -38,6 +39,24 @@ def test_int8_roundtrip_and_size():
         kv_cache_class("fp4")
 
 
+def test_fp16_cache_rounds_once_and_holds_twice_the_tokens():
+    """The flag's every choice has a class; fp16 stores K/V as torch's .half()
+    rounds them and gives them back in the engine's dtype, at half fp32's bytes."""
+    assert {c: kv_cache_class(c) for c in KV_CACHE_DTYPES} == {
+        "auto": DenseKVCache, "fp16": Fp16KVCache, "int8": Int8KVCache}
+    torch.manual_seed(0)
+    cache = Fp16KVCache(64, HKV, D, torch.float32, CPU)
+    assert cache.data.dtype == torch.float16
+    kv = torch.randn(10, 2, HKV, D) * 3
+    slots = torch.tensor([3, 7, 8, 9, 20, 21, 40, 41, 42, 63])
+    cache.write(slots, kv)
+    got = cache.gather(slots)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, kv.half().float())
+    assert (DenseKVCache.bytes_per_token_layer(3, 64, torch.float32)
+            == 2 * Fp16KVCache.bytes_per_token_layer(3, 64, torch.float32) == 1536)
+
+
 def reference_attention(q, k, v, ctx_lens, q_lens):
     """Plain causal attention per sequence (queries are the last q_len positions)."""
     outs = []
@@ -52,7 +71,8 @@ def reference_attention(q, k, v, ctx_lens, q_lens):
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("cache_cls,tol", [(DenseKVCache, 1e-5), (Int8KVCache, 0.05)])
+@pytest.mark.parametrize("cache_cls,tol",
+                         [(DenseKVCache, 1e-5), (Fp16KVCache, 5e-3), (Int8KVCache, 0.05)])
 def test_paged_attention_matches_dense_reference(cache_cls, tol):
     torch.manual_seed(1)
     # Two decodes and two prefill chunks of different lengths, scattered blocks.

@@ -58,6 +58,9 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
 // G query heads x NC 16-float chunks held in registers across the block.
 template <typename KV, int G, int NC>
@@ -240,6 +243,7 @@ struct DecodeAttention {
   int64_t heads_per_item = 1, kv_items = 1, splits = 1, split_tokens = 0, nh = 1, items = 0;
   int64_t total_ctx = 0;
   BlockKernels<float> kf;
+  BlockKernels<at::Half> kh;
   BlockKernels<int8_t> k8;
 
   // min_split_tokens: the shortest context range worth its own item (and its
@@ -247,6 +251,7 @@ struct DecodeAttention {
   // per call.
   void plan(int64_t threads, int64_t min_split_tokens = 256) {
     kf = pick_kernels<float>(group, D);
+    kh = pick_kernels<at::Half>(group, D);
     k8 = pick_kernels<int8_t>(group, D);
     heads_per_item = B >= 2 * threads ? hkv : 1;
     kv_items = hkv / heads_per_item;
@@ -272,8 +277,8 @@ struct DecodeAttention {
   // Floats of partials: per item m [nh], l [nh], acc [nh, D].
   int64_t partial_floats() const { return items * nh * (D + 2); }
 
-  // Item w against the cache [S, 2, Hkv, D] (float, or int8 with kv_scale).
-  void run_item(int64_t w, const void* cache, const float* kv_scale, float* part,
+  // Item w against the cache [S, 2, Hkv, D] of this kind (int8 with kv_scale).
+  void run_item(int64_t w, KVKind kind, const void* cache, const float* kv_scale, float* part,
                 std::vector<float>& buf) const {
     const int64_t split = w % splits, seq_item = w / splits;
     const int64_t b = seq_item / kv_items, kv0 = (seq_item % kv_items) * heads_per_item;
@@ -283,14 +288,18 @@ struct DecodeAttention {
     float* l = m + nh;
     float* acc = l + nh;
     const float* qb = q + b * qs0 + kv0 * group * qs1;
-    if (kv_scale)
-      attend_range<int8_t>(k8, qb, qs1, static_cast<const int8_t*>(cache), kv_scale,
-                           tables + b * nb, lo, hi, block_size, hkv, kv0, kv0 + heads_per_item,
-                           group, D, scale, m, l, acc, buf);
-    else
-      attend_range<float>(kf, qb, qs1, static_cast<const float*>(cache), nullptr,
-                          tables + b * nb, lo, hi, block_size, hkv, kv0, kv0 + heads_per_item,
-                          group, D, scale, m, l, acc, buf);
+    auto attend = [&](const auto& kern, const auto* kv, const float* sc) {
+      attend_range(kern, qb, qs1, kv, sc, tables + b * nb, lo, hi, block_size, hkv, kv0,
+                   kv0 + heads_per_item, group, D, scale, m, l, acc, buf);
+    };
+    switch (kind) {
+      case KVKind::kFloat:
+        return attend(kf, static_cast<const float*>(cache), nullptr);
+      case KVKind::kHalf:
+        return attend(kh, static_cast<const at::Half*>(cache), nullptr);
+      case KVKind::kInt8:
+        return attend(k8, static_cast<const int8_t*>(cache), kv_scale);
+    }
   }
 
   // Output heads of (sequence, KV head group) seq_item < B * kv_items into
@@ -328,24 +337,21 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& cache,
                                   int64_t block_size, double scale) {
   check_float_rows(q, "q");
   TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
-  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 4,
-              "cache must be a contiguous [S, 2, Hkv, D]");
+  const KVKind kind = kv_kind(cache, cache_scale);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), hkv = cache.size(2);
   TORCH_CHECK(cache.size(3) == D, "q and cache head sizes do not match");
-  const bool int8 = cache_scale.has_value();
-  TORCH_CHECK(int8 ? cache.scalar_type() == at::kChar : cache.scalar_type() == at::kFloat,
-              "cache dtype does not match its kind");
   auto att = decode_attention(q.data_ptr<float>(), q.stride(0), q.stride(1), B, H, hkv, D,
                               block_tables, context_lens, block_size, scale);
   att.plan(at::get_num_threads());
   auto out = at::empty({B, H * D}, q.options());
   std::vector<float> part(att.partial_floats());
-  const float* sp = int8 ? cache_scale->data_ptr<float>() : nullptr;
+  const float* sp = kind == KVKind::kInt8 ? cache_scale->data_ptr<float>() : nullptr;
   // Stay on this thread unless the work pays for waking the others.
   const int64_t grain = att.total_ctx * hkv * D * 2 < 32768 ? att.items : 1;
   at::parallel_for(0, att.items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
-    for (int64_t w = begin; w < end; w++) att.run_item(w, cache.data_ptr(), sp, part.data(), buf);
+    for (int64_t w = begin; w < end; w++)
+      att.run_item(w, kind, cache.data_ptr(), sp, part.data(), buf);
   });
   float* op = out.data_ptr<float>();
   for (int64_t s = 0; s < B * att.kv_items; s++) att.merge(s, part.data(), op);

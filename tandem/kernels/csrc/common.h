@@ -49,6 +49,37 @@ inline const uint16_t* half_ptr(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>());
 }
 
+// src[0 .. n) rounded to fp16 (to nearest even, as torch's .half()).
+inline void to_half(const float* src, int64_t n, at::Half* dst) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(src + i),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; i++) dst[i] = at::Half(src[i]);
+}
+
+// A KV cache's element type: float or fp16 values, or int8 with an fp32 scale
+// per token and head.
+enum class KVKind { kFloat, kHalf, kInt8 };
+
+// Checks a layer's cache [S, 2, Hkv, D] (and int8's scales) and names its kind.
+inline KVKind kv_kind(const at::Tensor& cache, const std::optional<at::Tensor>& scale) {
+  TORCH_CHECK(cache.device().is_cpu() && cache.is_contiguous() && cache.dim() == 4,
+              "cache must be a contiguous CPU [S, 2, Hkv, D]");
+  if (scale) {
+    TORCH_CHECK(cache.scalar_type() == at::kChar, "a cache with scales must be int8");
+    TORCH_CHECK(scale->is_contiguous() && scale->scalar_type() == at::kFloat,
+                "cache scales must be contiguous float32");
+    return KVKind::kInt8;
+  }
+  TORCH_CHECK(cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kHalf,
+              "a cache without scales must be float32 or float16");
+  return cache.scalar_type() == at::kFloat ? KVKind::kFloat : KVKind::kHalf;
+}
+
 void check_float_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name,
               " must be a float32 CPU tensor");

@@ -34,6 +34,8 @@ struct StepLayer {
   StepMatmul qkv, o, gate_up, down;
   at::Tensor qkv_bias, q_norm, k_norm;
   at::Tensor cache, cache_scale;
+  KVKind kv;
+  RopeAndCache rope;  // bound to this layer's cache
 };
 
 struct DecodeStep : torch::CustomClassHolder {
@@ -142,10 +144,11 @@ struct DecodeStep : torch::CustomClassHolder {
       l.q_norm = *q_norm;
       l.k_norm = *k_norm;
     }
-    RopeAndCache check{};
-    bind_cache(check, cache, cache_scale);
-    TORCH_CHECK(layers.empty() || cache_scale.has_value() == layers[0].cache_scale.defined(),
+    l.kv = kv_kind(cache, cache_scale);
+    TORCH_CHECK(layers.empty() || l.kv == layers[0].kv,
                 "DecodeStep: every layer's cache must be of one kind");
+    l.rope = RopeAndCache{cos.data_ptr<float>(), sin.data_ptr<float>(), H, hkv, D};
+    bind_cache(l.rope, cache, cache_scale);
     l.cache = std::move(cache);
     if (cache_scale) l.cache_scale = *cache_scale;
     layers.push_back(std::move(l));
@@ -228,10 +231,7 @@ struct DecodeStep : torch::CustomClassHolder {
       const auto [v0, v1] = share(vocab, t, nt, StepMatmul::unit(lm_head.kind));
       StepInput in;
       for (const StepLayer& L : layers) {
-        const float* sc = L.cache_scale.defined() ? L.cache_scale.data_ptr<float>() : nullptr;
-        RopeAndCache rope{cos.data_ptr<float>(), sin.data_ptr<float>(), H, hkv, D,
-                          sc ? nullptr : L.cache.data_ptr<float>(),
-                          sc ? L.cache.data_ptr<int8_t>() : nullptr, const_cast<float*>(sc)};
+        const RopeAndCache& rope = L.rope;
         normed(L.input_norm);
         L.qkv.prepare(xt, hidden, B, in);
         L.qkv.apply(in, head0 * D, head1 * D,
@@ -252,7 +252,7 @@ struct DecodeStep : torch::CustomClassHolder {
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < att.items; w++)
-          att.run_item(w, L.cache.data_ptr(), sc, part.data(), buf);
+          att.run_item(w, L.kv, L.cache.data_ptr(), rope.cache_s, part.data(), buf);
         for (int64_t s = 0; s < B * att.kv_items; s++) att.merge(s, part.data(), attn_t);
         L.o.prepare(attn_t, H * D, B, in);
         L.o.apply(in, h0, h1, nullptr, true, x.data(), hidden);

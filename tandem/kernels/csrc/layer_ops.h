@@ -56,15 +56,16 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // RoPE on one token's H query and Hkv key heads, in place (row x is its
 // [H + 2 Hkv, D] qkv; HF's rotate_half convention; cos/sin are tandem's
 // [P, D] tables, cos = [c, c], sin = [-s, s]), then its K and V heads into
-// cache slot `slot`: a dense cache [S, 2, Hkv, D] of float, or int8 plus an
-// fp32 scale per token and head [S, 2, Hkv, 1] (cache_s non-null).
+// cache slot `slot`: a dense cache [S, 2, Hkv, D] of float or fp16, or int8
+// plus an fp32 scale per token and head [S, 2, Hkv, 1] (cache_s non-null).
 struct RopeAndCache {
   const float* cos;
   const float* sin;
   int64_t num_heads, hkv, D;
-  float* cache_f;
-  int8_t* cache_q;
-  float* cache_s;
+  float* cache_f = nullptr;
+  at::Half* cache_h = nullptr;
+  int8_t* cache_q = nullptr;
+  float* cache_s = nullptr;
 
   // RoPE on one query or key head (D floats) at position pos.
   void rotate(float* a, int64_t pos) const {
@@ -83,8 +84,12 @@ struct RopeAndCache {
   // Head j of a token's [2, Hkv] K and V heads (K: j < Hkv) into its slot.
   void store(const float* src, int64_t slot, int64_t j) const {
     const int64_t at = (slot * 2 * hkv + j) * D;
-    if (!cache_s) {
+    if (cache_f) {
       std::memcpy(cache_f + at, src, D * sizeof(float));
+      return;
+    }
+    if (cache_h) {
+      to_half(src, D, cache_h + at);
       return;
     }
     float amax = 0.f;
@@ -106,16 +111,11 @@ struct RopeAndCache {
 // RopeAndCache at it.
 inline void bind_cache(RopeAndCache& r, const at::Tensor& cache,
                        const std::optional<at::Tensor>& cache_scale) {
-  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 4,
-              "cache must be a contiguous [S, 2, Hkv, D]");
-  const bool int8 = cache_scale.has_value();
-  TORCH_CHECK(int8 ? cache.scalar_type() == at::kChar : cache.scalar_type() == at::kFloat,
-              "cache dtype does not match its kind");
-  TORCH_CHECK(!int8 || (cache_scale->is_contiguous() && cache_scale->scalar_type() == at::kFloat),
-              "cache scales must be contiguous float32");
-  r.cache_f = int8 ? nullptr : cache.data_ptr<float>();
-  r.cache_q = int8 ? cache.data_ptr<int8_t>() : nullptr;
-  r.cache_s = int8 ? cache_scale->data_ptr<float>() : nullptr;
+  const KVKind kind = kv_kind(cache, cache_scale);
+  r.cache_f = kind == KVKind::kFloat ? cache.data_ptr<float>() : nullptr;
+  r.cache_h = kind == KVKind::kHalf ? cache.data_ptr<at::Half>() : nullptr;
+  r.cache_q = kind == KVKind::kInt8 ? cache.data_ptr<int8_t>() : nullptr;
+  r.cache_s = kind == KVKind::kInt8 ? cache_scale->data_ptr<float>() : nullptr;
 }
 
 // In place on qkv [T, H + 2*Hkv, D] (rows contiguous): RopeAndCache for

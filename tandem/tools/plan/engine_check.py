@@ -40,7 +40,7 @@ class EngineCheck:
     model: str
     engine_device: str
     weight_dtype: str  # the planner's name for what the engine holds (fp32, bf16, int8, ...)
-    kv_cache_dtype: str  # the planner's name for the engine's cache (fp32, bf16, int8)
+    kv_cache_dtype: str  # the planner's name for the engine's cache (fp32, bf16, fp16, int8)
     block_size: int
     budget_bytes: int | None  # the KV budget both sides use (None on CUDA: see budget_source)
     budget_source: str
@@ -122,12 +122,12 @@ def engine_settings(dtype: str, kv_cache_dtype: str) -> tuple[str, str, str]:
     kv = kv_cache_dtype.lower()
     if kv in ("int8", "8bit"):
         engine_kv = "int8"
-    elif kv == "auto":
-        engine_kv = "auto"
+    elif kv in ("auto", "fp16"):
+        engine_kv = kv
     else:
         raise ValueError(
-            f"--engine-check: tandem's cache is --kv-cache-dtype auto (the weights' dtype) or "
-            f"int8, not {kv_cache_dtype!r}"
+            f"--engine-check: tandem's cache is --kv-cache-dtype auto (the weights' dtype), "
+            f"fp16 or int8, not {kv_cache_dtype!r}"
         )
     return engine_dtype, quant, engine_kv
 
@@ -170,9 +170,9 @@ def compare(
     c = engine.config
     quant = c.quantization
     wdtype = quant if quant != "none" else _PLANNER_DTYPES[str(engine.dtype).split(".")[-1]]
-    # The cache dtype the engine really holds: int8, or its activations' dtype (fp32 on CPU
-    # even for quantized weights, where the planner's "auto" would assume 16-bit).
-    kvname = "int8" if c.kv_cache_dtype == "int8" else _PLANNER_DTYPES[
+    # The cache dtype the engine really holds: int8, fp16, or its activations' dtype (fp32
+    # on CPU even for quantized weights, where the planner's "auto" would assume 16-bit).
+    kvname = c.kv_cache_dtype if c.kv_cache_dtype != "auto" else _PLANNER_DTYPES[
         str(engine.dtype).split(".")[-1]
     ]
     elem = ar.kv_element_bytes(kvname, spec.head_dim)
