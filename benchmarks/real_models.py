@@ -234,10 +234,10 @@ def measure(label: str, path: Path, a: argparse.Namespace, port: int) -> Result:
             else:
                 res.kv_pool, res.kv_source = parse_size(a.kv_cache_memory), "--kv-cache-memory"
             before = read_bandwidth_gbs() * 1e9
-            for c in a.streams:
+            for i, c in enumerate(a.streams):
                 res.points[c] = run_point(url, c, max(2, c * a.prompts_per_stream), Path(d))
                 res.run_peak = proc_status(proc.pid)["VmHWM"]
-                if not any(res.bw_probes):
+                if i == 0:
                     res.bw_probes = (before, read_bandwidth_gbs() * 1e9)
         except (RuntimeError, subprocess.CalledProcessError, httpx.HTTPError, KeyError) as e:
             res.error = str(e).splitlines()[0] if isinstance(e, RuntimeError) else repr(e)

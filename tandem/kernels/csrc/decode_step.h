@@ -33,9 +33,9 @@ struct StepLayer {
   at::Tensor input_norm, post_norm;
   StepMatmul qkv, o, gate_up, down;
   at::Tensor qkv_bias, q_norm, k_norm;
-  at::Tensor cache, cache_scale;
+  at::Tensor cache, cache_scale;  // held: rope points into them
   KVKind kv;
-  RopeAndCache rope;  // bound to this layer's cache
+  RopeAndCache rope;  // bound to this layer's cache (and int8's scales)
 };
 
 struct DecodeStep : torch::CustomClassHolder {
