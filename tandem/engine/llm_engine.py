@@ -24,7 +24,7 @@ from tandem.core.output_processor import EngineCoreOutput, process_output
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler import Scheduler
 from tandem.model.attention import AttentionMetadata, build_group
-from tandem.model.kv_cache import kv_cache_class
+from tandem.model.kv_cache import kv_cache_class, kv_cache_dtype_name
 from tandem.model.loader import load_model, resolve_model
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -101,9 +101,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ set-up
     def _init_kv_cache(self) -> None:
         cfg, c = self.model_config, self.config
+        # The element type the pool holds ("auto" resolved once, here).
+        self.kv_cache_dtype = kv_cache_dtype_name(c.kv_cache_dtype, self.device, self.dtype)
         bytes_per_token = cfg.num_hidden_layers * kv_cache_class(
-            c.kv_cache_dtype).bytes_per_token_layer(cfg.num_key_value_heads, cfg.head_dim,
-                                                    self.dtype)
+            self.kv_cache_dtype).bytes_per_token_layer(cfg.num_key_value_heads, cfg.head_dim)
         block_bytes = bytes_per_token * c.block_size
         # An explicit budget holds for every step (vLLM's semantics); CPU's default
         # follows the model's cost and caps prompt tokens in steps with decodes.
@@ -150,7 +151,7 @@ class LLMEngine:
             )
         self.max_num_batched_tokens = budget_tokens
         self.kv_caches = allocate_kv_caches(
-            self.model, num_blocks, c.block_size, self.dtype, c.kv_cache_dtype
+            self.model, num_blocks, c.block_size, self.dtype, self.kv_cache_dtype
         )
         self.kv_manager = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -164,7 +165,7 @@ class LLMEngine:
             "KV cache (%s): %d blocks x %d tokens = %d tokens, %d bytes/token (%.2f GiB); "
             "max_model_len %d -> %.1f full-context conversations fit; "
             "max_num_seqs %d, max_num_batched_tokens %d%s",
-            c.kv_cache_dtype if c.kv_cache_dtype != "auto" else str(self.dtype).split(".")[-1],
+            self.kv_cache_dtype,
             num_blocks, c.block_size, pool_tokens, bytes_per_token,
             num_blocks * block_bytes / 2**30, max_len, pool_tokens / max_len,
             c.max_num_seqs, budget_tokens,
@@ -240,7 +241,7 @@ class LLMEngine:
         """
         n, bs, dev = len(token_ids), self.config.block_size, self.device
         nblk = -(-n // bs)
-        scratch = allocate_kv_caches(self.model, nblk, bs, self.dtype, self.config.kv_cache_dtype)
+        scratch = allocate_kv_caches(self.model, nblk, bs, self.dtype, self.kv_cache_dtype)
         meta = AttentionMetadata(
             slot_mapping=torch.arange(n, device=dev),
             decode=None,

@@ -1,15 +1,15 @@
-"""One layer's paged KV cache: the engine's dtype, fp16, or int8 with a scale per
-token and head.
+"""One layer's paged KV cache: floats (fp32, bf16 or fp16), or int8 with a scale
+per token and head.
 
 Slots are ``block_id * block_size + offset``; dim 1 holds K (0) and V (1). A
 step writes all its new K/V with one indexed copy (``write``) and attention
 reads a sequence's context back through its slots (``gather``).
 
-The fp16 cache (llama.cpp's default f16) holds half an fp32 cache's bytes per
-token: on CPU, where the engine computes in fp32, twice the tokens fit in the
-same memory and decode attention reads half the bytes; attention converts
-what it reads to fp32 (the kernels with F16C, a load and one instruction per
-16 values).
+The fp16 cache (llama.cpp's default f16, and tandem's on CPU) holds half an
+fp32 cache's bytes per token: on CPU, where the engine computes in fp32, twice
+the tokens fit in the same memory and decode attention reads half the bytes;
+attention converts what it reads to fp32 (the kernels with F16C, a load and
+one instruction per 16 values).
 
 The int8 cache (like llama-server's ``--cache-type-k q8_0``) stores each
 token's K and V per head as int8 plus one fp32 scale (absmax / 127): 2 x heads
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.config import KV_CACHE_DTYPES
+from tandem.config import resolve_kv_cache_dtype
 from tandem.model.hugepages import Allocator, HugePageArena
 
 
@@ -37,21 +37,21 @@ def kv_zeros(device: torch.device) -> Allocator:
 
 
 class DenseKVCache:
-    """K/V as floats: ``STORED``, or the engine's dtype (``dtype``, what attention
-    computes in) when None."""
+    """K/V as floats of ``STORED`` (a subclass per dtype); attention reads them
+    back in the engine's dtype (``dtype``)."""
 
-    STORED: torch.dtype | None = None
+    STORED: torch.dtype
 
     def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device,
                  zeros: Allocator | None = None) -> None:
         zeros = zeros or kv_zeros(device)
         self.dtype = dtype
-        self.data = zeros((num_slots, 2, num_kv_heads, head_dim), self.STORED or dtype)
+        self.data = zeros((num_slots, 2, num_kv_heads, head_dim), self.STORED)
 
     @classmethod
-    def bytes_per_token_layer(cls, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_kv_heads * head_dim * (cls.STORED or dtype).itemsize
+    def bytes_per_token_layer(cls, num_kv_heads: int, head_dim: int) -> int:
+        return 2 * num_kv_heads * head_dim * cls.STORED.itemsize
 
     def write(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """kv: [T, 2, Hkv, D] -> the slots."""
@@ -68,6 +68,14 @@ class DenseKVCache:
         return self.data, None
 
 
+class Fp32KVCache(DenseKVCache):
+    STORED = torch.float32
+
+
+class Bf16KVCache(DenseKVCache):
+    STORED = torch.bfloat16
+
+
 class Fp16KVCache(DenseKVCache):
     STORED = torch.float16
 
@@ -82,7 +90,7 @@ class Int8KVCache:
         self.dtype = dtype
 
     @staticmethod
-    def bytes_per_token_layer(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_token_layer(num_kv_heads: int, head_dim: int) -> int:
         return 2 * num_kv_heads * (head_dim + 4)
 
     def write(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
@@ -101,13 +109,16 @@ class Int8KVCache:
 
 
 KVCache = DenseKVCache | Int8KVCache
-# One per tandem.config.KV_CACHE_DTYPES choice (the --kv-cache-dtype flag's).
-_CLASSES = {"auto": DenseKVCache, "fp16": Fp16KVCache, "int8": Int8KVCache}
+# One per element type tandem.config.resolve_kv_cache_dtype names.
+_CLASSES = {"fp32": Fp32KVCache, "bf16": Bf16KVCache, "fp16": Fp16KVCache, "int8": Int8KVCache}
+_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def kv_cache_class(kv_cache_dtype: str) -> type[DenseKVCache] | type[Int8KVCache]:
-    try:
-        return _CLASSES[kv_cache_dtype]
-    except KeyError:
-        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                         f"got {kv_cache_dtype!r}") from None
+def kv_cache_dtype_name(kv_cache_dtype: str, device: torch.device, dtype: torch.dtype) -> str:
+    """--kv-cache-dtype resolved for an engine computing in ``dtype`` on ``device``."""
+    return resolve_kv_cache_dtype(kv_cache_dtype, device.type, _NAMES[dtype])
+
+
+def kv_cache_class(name: str) -> type[DenseKVCache] | type[Int8KVCache]:
+    """The cache class of a resolved element type (``kv_cache_dtype_name``)."""
+    return _CLASSES[name]

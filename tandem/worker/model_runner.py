@@ -34,8 +34,10 @@ class ModelRunnerOutput:
 
 def allocate_kv_caches(
     model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype,
-    kv_cache_dtype: str = "auto",
+    kv_cache_dtype: str,
 ) -> list[KVCache]:
+    """One cache per layer holding ``kv_cache_dtype`` (a resolved element type:
+    tandem.model.kv_cache.kv_cache_dtype_name)."""
     cfg = model.cfg
     cls = kv_cache_class(kv_cache_dtype)
     zeros = kv_zeros(model.device)  # one allocator: small layers share its chunks

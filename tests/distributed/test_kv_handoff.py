@@ -94,7 +94,7 @@ def test_import_refuses_kv_of_another_model(engines, tiny_config_path):
         a.import_kv(tiny.export_kv(ids))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
 def test_packed_kv_round_trip(dtype):
     """What the object store carries: raw bytes and back, any dtype (numpy has no bf16)."""
     tensors = [(torch.randn(3, 8, 2, 4) * 50).to(dtype), torch.rand(3, 8, 2, 1)]

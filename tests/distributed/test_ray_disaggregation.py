@@ -72,7 +72,7 @@ def test_greedy_ids_equal_one_engine(cluster):
         assert final.finished and final.outputs[0].token_ids == want
         m = final.metrics
         assert m.kv_transfer_bytes == len(ids) // bs * bs * info.num_hidden_layers \
-            * 2 * info.num_key_value_heads * head_dim * 4  # whole blocks, fp32 K, V
+            * 2 * info.num_key_value_heads * head_dim * 2  # whole blocks, fp16 K, V
         assert m.kv_transfer_s is not None and m.kv_transfer_s >= 0
         assert m.ttft_s is not None and m.e2e_s >= m.ttft_s
 

@@ -55,8 +55,11 @@ def hf_model(arch: str, **overrides):
 
 
 def _engine(path, **kw) -> LLMEngine:
+    """An engine with an fp32 cache: its logits are compared with HF's to 1e-5 (the
+    CPU default, fp16, rounds K/V)."""
     return LLMEngine(EngineConfig(model=str(path), skip_tokenizer_init=True,
-                                  kv_cache_memory="8MiB", max_num_batched_tokens=16, **kw))
+                                  kv_cache_memory="8MiB", kv_cache_dtype="fp32",
+                                  max_num_batched_tokens=16, **kw))
 
 
 @pytest.mark.parametrize("arch, overrides", [

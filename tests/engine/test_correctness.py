@@ -74,7 +74,7 @@ def test_chunked_prefill_matches_hf(hf_greedy):
 def test_preemption_matches_hf(hf_greedy):
     # 5 blocks of 16 tokens = 80 slots; each request needs 3-4 blocks by its end,
     # so running requests run out of blocks and are preempted and recomputed.
-    bytes_per_block = 2 * 30 * 3 * 64 * 4 * 16
+    bytes_per_block = 2 * 30 * 3 * 64 * 2 * 16  # fp16 K/V
     llm = LLM(kv_cache_memory=5 * bytes_per_block, max_model_len=80, quantization="none")
     prompts_ids = [ids_of(llm, p) for p in PROMPTS[:4]]
     params = SamplingParams(temperature=0, max_tokens=40)

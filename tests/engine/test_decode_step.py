@@ -45,7 +45,7 @@ class CheckedStep:
 
 
 @pytest.mark.parametrize(("quantization", "kv_cache_dtype"),
-                         [("none", "auto"), ("none", "fp16"), ("none", "int8"), ("int8", "auto"),
+                         [("none", "fp32"), ("none", "auto"), ("none", "int8"), ("int8", "auto"),
                           ("int4", "int8")])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_decode_step_matches_forward(arch, quantization, kv_cache_dtype, tmp_path):

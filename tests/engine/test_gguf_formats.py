@@ -30,9 +30,11 @@ def _engine_and_hf(tmp_path, qtype, quantization="auto", arch="llama"):
                            hidden=64, ffn=96, qtype=qtype, std=0.1, tied=arch != "phi3")
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=src.name,
                                               dtype=torch.float32).eval()
+    # An fp32 cache: float weights are compared with HF's logits to 1e-5 (the CPU
+    # default, fp16, rounds K/V).
     engine = LLMEngine(EngineConfig(model=str(src), skip_tokenizer_init=True,
                                     quantization=quantization, kv_cache_memory="8MiB",
-                                    max_num_batched_tokens=16))
+                                    kv_cache_dtype="fp32", max_num_batched_tokens=16))
     return engine, hf
 
 

@@ -21,8 +21,9 @@ from tandem.sampling_params import SamplingParams
 
 BLOCK = 4
 # Per token: 2 layers x K,V x 2 kv heads x head_dim 8 x 4 bytes (fp32) = 256 bytes,
-# x 2 bytes (fp16) = 128, or x (8 + 4-byte scale) bytes with the int8 cache = 96.
-BYTES_PER_TOKEN = {"auto": 256, "fp16": 128, "int8": 96}
+# x 2 bytes (fp16, auto's on CPU) = 128, or x (8 + 4-byte scale) bytes with the int8
+# cache = 96.
+BYTES_PER_TOKEN = {"fp32": 256, "auto": 128, "fp16": 128, "int8": 96}
 
 
 def make_engine(tiny_config_path, num_blocks=64, kv_cache_dtype="auto", **kw) -> LLMEngine:
@@ -97,7 +98,7 @@ def test_continuous_batching_joins_and_leaves(tiny_config_path):
 
 
 @pytest.mark.parametrize("quantization,kv_cache_dtype",
-                         [("none", "auto"), ("none", "fp16"), ("int8", "auto"), ("int4", "int8")])
+                         [("none", "fp32"), ("none", "auto"), ("int8", "auto"), ("int4", "int8")])
 def test_preemption_keeps_output_identical(tiny_config_path, quantization, kv_cache_dtype):
     rng = random.Random(0)
     arrivals = [(0, [rng.randrange(1, 128) for _ in range(rng.randint(3, 20))], 24)
@@ -154,7 +155,7 @@ def test_abort_frees_blocks(tiny_config_path):
     prompt_cap=st.one_of(st.none(), st.integers(1, 16)),
     seed=st.integers(0, 1000),
     quantization=st.sampled_from(["none", "int8", "int4"]),
-    kv_cache_dtype=st.sampled_from(["auto", "fp16", "int8"]),
+    kv_cache_dtype=st.sampled_from(["auto", "fp32", "int8"]),
 )
 def test_random_workloads_keep_invariants(
     tiny_config_path, num_blocks, budget, max_seqs, reqs, caching, prompt_cap, seed,

@@ -13,7 +13,7 @@ BLOCK = 16
 # own int4 (W4A8), a prefix computed in another chunk can move an activation
 # across a rounding edge and flip a near-tie.
 FP32 = "none"
-BYTES_PER_BLOCK = 2 * 30 * 3 * 64 * 4 * BLOCK  # K+V x layers x kv heads x head_dim x fp32
+BYTES_PER_BLOCK = 2 * 30 * 3 * 64 * 2 * BLOCK  # K+V x layers x kv heads x head_dim x fp16
 
 SYSTEM = (
     "You are Quill, the support assistant of Northwind Outfitters, a small company that "

@@ -11,9 +11,9 @@ from tests.server.conftest import slow_down, tiny_engine
 
 def test_states_follow_a_request_through_queue_prefill_decode_and_preemption(
         tiny_config_path):
-    # 8 blocks of 4 tokens: two requests growing to 28 tokens cannot both fit,
-    # and a 4-token budget prefills a 12-token prompt in three chunks.
-    engine = slow_down(tiny_engine(tiny_config_path, kv_cache_memory="8KiB", max_model_len=32,
+    # 8 blocks of 4 tokens (128 B a token, fp16): two requests growing to 28 tokens
+    # cannot both fit, and a 4-token budget prefills a 12-token prompt in three chunks.
+    engine = slow_down(tiny_engine(tiny_config_path, kv_cache_memory="4KiB", max_model_len=32,
                                    max_num_seqs=2, max_num_batched_tokens=4), 0.005)
     params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0)
     seen: dict[str, set[str]] = {"a": set(), "b": set(), "c": set()}

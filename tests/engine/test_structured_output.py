@@ -117,7 +117,7 @@ def test_same_seed_same_output_and_n2_fan_out(llm, prompt):
 def test_preemption_chunked_prefill_and_prefix_hits_keep_json_valid(prompt):
     """A tiny pool (preemption by recompute), a small token budget (prompts in
     chunks) and a repeated prompt (prefix-cache hits) under one workload."""
-    bytes_per_block = 2 * 30 * 3 * 64 * 4 * 16  # fp32 KV, 30 layers, 3 KV heads x 64, 16 slots
+    bytes_per_block = 2 * 30 * 3 * 64 * 2 * 16  # fp16 KV, 30 layers, 3 KV heads x 64, 16 slots
     llm = LLM(kv_cache_memory=7 * bytes_per_block, max_model_len=112,
               max_num_batched_tokens=32)
     params = [json_params(temperature=1.0, seed=s, max_tokens=60) for s in range(4)]

@@ -30,7 +30,7 @@ STEP_S = 0.02
 
 @pytest.fixture(scope="session")
 def healthy_server(start_server, tiny_config_path) -> RunningServer:
-    """Batches of 8 and a 2 MiB pool (8,192 tokens): nothing queues, nothing preempts."""
+    """Batches of 8 and a 2 MiB pool (16,384 tokens): nothing queues, nothing preempts."""
     engine = slow_down(tiny_engine(tiny_config_path, max_num_seqs=8), STEP_S)
     return start_server(engine, ServerConfig(max_queue=8, served_model_names=["tiny"]))
 
@@ -44,8 +44,9 @@ def one_seq_server(start_server, tiny_config_path) -> RunningServer:
 
 @pytest.fixture(scope="session")
 def small_pool_server(start_server, tiny_config_path) -> RunningServer:
-    """A 64 KiB pool: 256 tokens (one full-context conversation), so two overlap badly."""
-    engine = slow_down(tiny_engine(tiny_config_path, max_num_seqs=8, kv_cache_memory="64KiB"),
+    """A 32 KiB pool: 256 tokens of 128 B (fp16; one full-context conversation), so two
+    overlap badly."""
+    engine = slow_down(tiny_engine(tiny_config_path, max_num_seqs=8, kv_cache_memory="32KiB"),
                        STEP_S)
     return start_server(engine, ServerConfig(max_queue=8, served_model_names=["tiny"]))
 

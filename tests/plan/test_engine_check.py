@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tandem.entrypoints.cli import main
-from tandem.model.kv_cache import DenseKVCache, Fp16KVCache, Int8KVCache
+from tandem.model.kv_cache import Fp16KVCache, Fp32KVCache, Int8KVCache
 from tandem.tools.plan import capacity as cap
 from tandem.tools.plan.engine_check import check_engine, compare, format_check
 from tandem.tools.plan.presets import load_model
@@ -22,12 +22,12 @@ def test_planner_int8_is_the_engines_int8_layout(head_dim):
     layers, kv_heads = 30, 3
     planned = cap.kv_bytes_per_token(layers, kv_heads, head_dim,
                                      cap.kv_element_bytes("int8", head_dim))
-    engine = layers * Int8KVCache.bytes_per_token_layer(kv_heads, head_dim, torch.float32)
+    engine = layers * Int8KVCache.bytes_per_token_layer(kv_heads, head_dim)
     assert planned == pytest.approx(engine, abs=1e-6)
-    fp32 = layers * DenseKVCache.bytes_per_token_layer(kv_heads, head_dim, torch.float32)
+    fp32 = layers * Fp32KVCache.bytes_per_token_layer(kv_heads, head_dim)
     assert cap.kv_bytes_per_token(layers, kv_heads, head_dim,
                                   cap.kv_element_bytes("fp32", head_dim)) == fp32
-    fp16 = layers * Fp16KVCache.bytes_per_token_layer(kv_heads, head_dim, torch.float32)
+    fp16 = layers * Fp16KVCache.bytes_per_token_layer(kv_heads, head_dim)
     assert cap.kv_bytes_per_token(layers, kv_heads, head_dim,
                                   cap.kv_element_bytes("fp16", head_dim)) == fp16 == fp32 / 2
 
@@ -37,10 +37,12 @@ def test_default_model_planned_equals_allocated(capsys):
                  "--json"])
     chk = json.loads(capsys.readouterr().out)["engine_check"]
     assert code == 0 and chk["ok"]
-    # SmolLM2-135M in fp32: 2 x 30 layers x 3 KV heads x 64 x 4 B = 46,080 B per token.
-    assert chk["planned_kv_bytes_per_token"] == chk["engine_kv_bytes_per_token"] == 46_080
+    # SmolLM2-135M's cache in fp16 (CPU's auto): 2 x 30 layers x 3 KV heads x 64 x 2 B
+    # = 23,040 B per token.
+    assert chk["kv_cache_dtype"] == "fp16"
+    assert chk["planned_kv_bytes_per_token"] == chk["engine_kv_bytes_per_token"] == 23_040
     assert chk["budget_bytes"] == 64 * 2**20 and chk["max_model_len"] == 1024
-    assert chk["engine_cache_tokens"] == 64 * 2**20 // (46_080 * 16) * 16
+    assert chk["engine_cache_tokens"] == 64 * 2**20 // (23_040 * 16) * 16
     assert abs(chk["cache_deviation"]) <= 0.05
     # The tied LM head is the embedding itself, as the plan counts it.
     assert chk["engine_weight_bytes"] == chk["planned_weight_bytes"]
@@ -77,7 +79,7 @@ def test_a_mismatch_is_reported_and_fails(tiny_config_path):
     assert chk.ok
     engine = SimpleNamespace(
         config=SimpleNamespace(quantization="none", kv_cache_dtype="auto", block_size=16),
-        dtype=torch.float32, device=torch.device("cpu"),
+        dtype=torch.float32, device=torch.device("cpu"), kv_cache_dtype="fp16",
         kv_manager=SimpleNamespace(num_blocks=chk.engine_cache_tokens // 16 * 9 // 10),
         kv_bytes_per_token=chk.engine_kv_bytes_per_token + 8, max_model_len=256,
         model=SimpleNamespace(nbytes=chk.engine_weight_bytes, weight_bytes=chk.engine_read_bytes,
@@ -94,6 +96,6 @@ def test_engine_check_refuses_what_it_cannot_start(capsys):
     assert main(["plan", "llama-3.1-8b", "--engine-check"]) == 2
     assert "is a preset" in capsys.readouterr().err
     assert main(["plan", "--engine-check", "--kv-cache-dtype", "fp8"]) == 2
-    assert "auto (the weights' dtype), fp16 or int8" in capsys.readouterr().err
+    assert "--kv-cache-dtype auto, fp32, fp16, int8, not 'fp8'" in capsys.readouterr().err
     assert main(["plan", "llama-3.1-8b", "--device", "h100-sxm", "--kv-cache-memory", "1GiB"]) == 2
     assert "--kv-cache-memory goes with --engine-check" in capsys.readouterr().err

@@ -56,7 +56,7 @@ def soak_server(start_server, tmp_path_factory) -> RunningServer:
         **TINY_CONFIG, "vocab_size": 49152, "max_position_embeddings": 384,
         "bos_token_id": 1, "eos_token_id": 2}))
     engine = tiny_engine(str(d), skip_tokenizer_init=False, block_size=16, max_model_len=384,
-                         kv_cache_memory="512KiB", max_num_seqs=8)  # 2,048 tokens: preemption
+                         kv_cache_memory="256KiB", max_num_seqs=8)  # 2,048 tokens: preemption
     return start_server(slow_down(engine, 0.002),
                         ServerConfig(max_queue=8, served_model_names=[MODEL]))
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from tandem.kernels import custom_ops
 from tandem.model.attention import AttentionMetadata, build_group, paged_attention
-from tandem.model.kv_cache import DenseKVCache, Fp16KVCache, Int8KVCache
+from tandem.model.kv_cache import Fp16KVCache, Fp32KVCache, Int8KVCache
 from tandem.model.linear import Int8Linear, quantize_activations
 
 from .test_kv_cache import padded_block_table
@@ -44,7 +44,7 @@ def test_rms_norm_and_silu_and_mul():
         ops.rms_norm(x.double(), w, 1e-5)
 
 
-@pytest.mark.parametrize("cache_cls", [DenseKVCache, Fp16KVCache, Int8KVCache])
+@pytest.mark.parametrize("cache_cls", [Fp32KVCache, Fp16KVCache, Int8KVCache])
 def test_rotary_embedding_and_cache_matches_reference(cache_cls):
     torch.manual_seed(1)
     h, hkv, d, t = 6, 2, 16, 9
@@ -69,7 +69,7 @@ def test_rotary_embedding_and_cache_matches_reference(cache_cls):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("cache_cls", [DenseKVCache, Fp16KVCache, Int8KVCache])
+@pytest.mark.parametrize("cache_cls", [Fp32KVCache, Fp16KVCache, Int8KVCache])
 @pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (8, 8, 128), (14, 2, 64), (4, 1, 32),
                                      (18, 2, 64)])
 @pytest.mark.parametrize("ctx", [[1, 16, 17, 45, 200, 3, 64, 33], [1000], [37, 700]],

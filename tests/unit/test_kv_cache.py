@@ -8,7 +8,14 @@ import torch.nn.functional as F
 
 from tandem.config import KV_CACHE_DTYPES
 from tandem.model.attention import AttentionMetadata, build_group, paged_attention
-from tandem.model.kv_cache import DenseKVCache, Fp16KVCache, Int8KVCache, kv_cache_class
+from tandem.model.kv_cache import (
+    Bf16KVCache,
+    Fp16KVCache,
+    Fp32KVCache,
+    Int8KVCache,
+    kv_cache_class,
+    kv_cache_dtype_name,
+)
 
 H, HKV, D, BS = 6, 2, 16, 4
 CPU = torch.device("cpu")
@@ -21,7 +28,7 @@ def padded_block_table(block_tables: list[list[int]], num_blocks: int) -> torch.
 
 def test_int8_roundtrip_and_size():
     torch.manual_seed(0)
-    dense = DenseKVCache(64, HKV, D, torch.float32, CPU)
+    dense = Fp32KVCache(64, HKV, D, torch.float32, CPU)
     q8 = Int8KVCache(64, HKV, D, torch.float32, CPU)
     kv = torch.randn(10, 2, HKV, D)
     slots = torch.tensor([3, 7, 8, 9, 20, 21, 40, 41, 42, 63])
@@ -31,19 +38,32 @@ def test_int8_roundtrip_and_size():
     err = (q8.gather(slots) - kv).abs()
     assert (err <= kv.abs().amax(-1, keepdim=True) / 254 + 1e-6).all()  # half a step
     # head_dim 64 (SmolLM2): 68 bytes per head and token vs 256 (fp32) or 128 (bf16).
-    q8_bytes = Int8KVCache.bytes_per_token_layer(3, 64, torch.float32)
+    q8_bytes = Int8KVCache.bytes_per_token_layer(3, 64)
     assert q8_bytes == 2 * 3 * 68
-    assert DenseKVCache.bytes_per_token_layer(3, 64, torch.float32) / q8_bytes > 3.7
-    assert DenseKVCache.bytes_per_token_layer(3, 64, torch.bfloat16) / q8_bytes > 1.8
-    with pytest.raises(ValueError):
-        kv_cache_class("fp4")
+    assert Fp32KVCache.bytes_per_token_layer(3, 64) / q8_bytes > 3.7
+    assert Bf16KVCache.bytes_per_token_layer(3, 64) / q8_bytes > 1.8
+
+
+def test_auto_is_fp16_on_cpu_and_the_engines_dtype_on_cuda():
+    """One rule resolves --kv-cache-dtype for every device and engine dtype;
+    a choice outside the flag's is a ValueError naming them."""
+    cpu, cuda = CPU, torch.device("cuda")
+    assert kv_cache_dtype_name("auto", cpu, torch.float32) == "fp16"
+    assert kv_cache_dtype_name("auto", cpu, torch.bfloat16) == "bf16"
+    assert kv_cache_dtype_name("auto", cuda, torch.bfloat16) == "bf16"
+    assert kv_cache_dtype_name("auto", cuda, torch.float32) == "fp32"
+    assert kv_cache_dtype_name("fp32", cpu, torch.float32) == "fp32"
+    assert kv_cache_dtype_name("int8", cuda, torch.float16) == "int8"
+    with pytest.raises(ValueError, match="auto, fp32, fp16, int8"):
+        kv_cache_dtype_name("fp4", cpu, torch.float32)
 
 
 def test_fp16_cache_rounds_once_and_holds_twice_the_tokens():
     """The flag's every choice has a class; fp16 stores K/V as torch's .half()
     rounds them and gives them back in the engine's dtype, at half fp32's bytes."""
-    assert {c: kv_cache_class(c) for c in KV_CACHE_DTYPES} == {
-        "auto": DenseKVCache, "fp16": Fp16KVCache, "int8": Int8KVCache}
+    assert {c: kv_cache_class(kv_cache_dtype_name(c, CPU, torch.float32))
+            for c in KV_CACHE_DTYPES} == {
+        "auto": Fp16KVCache, "fp32": Fp32KVCache, "fp16": Fp16KVCache, "int8": Int8KVCache}
     torch.manual_seed(0)
     cache = Fp16KVCache(64, HKV, D, torch.float32, CPU)
     assert cache.data.dtype == torch.float16
@@ -53,8 +73,8 @@ def test_fp16_cache_rounds_once_and_holds_twice_the_tokens():
     got = cache.gather(slots)
     assert got.dtype == torch.float32
     assert torch.equal(got, kv.half().float())
-    assert (DenseKVCache.bytes_per_token_layer(3, 64, torch.float32)
-            == 2 * Fp16KVCache.bytes_per_token_layer(3, 64, torch.float32) == 1536)
+    assert (Fp32KVCache.bytes_per_token_layer(3, 64)
+            == 2 * Fp16KVCache.bytes_per_token_layer(3, 64) == 1536)
 
 
 def reference_attention(q, k, v, ctx_lens, q_lens):
@@ -72,7 +92,7 @@ def reference_attention(q, k, v, ctx_lens, q_lens):
 
 
 @pytest.mark.parametrize("cache_cls,tol",
-                         [(DenseKVCache, 1e-5), (Fp16KVCache, 5e-3), (Int8KVCache, 0.05)])
+                         [(Fp32KVCache, 1e-5), (Fp16KVCache, 5e-3), (Int8KVCache, 0.05)])
 def test_paged_attention_matches_dense_reference(cache_cls, tol):
     torch.manual_seed(1)
     # Two decodes and two prefill chunks of different lengths, scattered blocks.

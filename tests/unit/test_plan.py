@@ -53,6 +53,19 @@ def test_kv_from_presets_and_8bit() -> None:
     assert q8.kv_bytes_per_token == 65_536 * (1 + 2 / 32)  # llama.cpp q8_0: fp16 per 32
 
 
+def test_auto_kv_dtype_is_what_tandem_holds_on_the_device() -> None:
+    """auto follows tandem's engine: fp16 on CPU whatever the weights (it computes
+    in fp32 there), the compute dtype on a GPU (bf16 for quantized weights)."""
+    llama = load_model("llama-3.1-8b")
+    for dtype in ("fp32", "int8", "int4"):
+        assert cap.plan(llama, DEVICES["cpu-ddr5"], dtype=dtype).kv_cache_dtype == "fp16"
+    assert cap.plan(llama, DEVICES["cpu-ddr5"], dtype="bf16").kv_cache_dtype == "bf16"
+    gpu = DEVICES["h100-sxm"]
+    assert cap.plan(llama, gpu, dtype="fp32").kv_cache_dtype == "fp32"
+    assert cap.plan(llama, gpu, dtype="int4").kv_cache_dtype == "bf16"
+    assert cap.plan(llama, gpu, dtype="fp16").kv_cache_dtype == "fp16"
+
+
 def test_decode_ceiling_worked_examples() -> None:
     assert round(ar.decode_ceiling(DEVICES["h100-sxm"].bandwidth_bytes_s, 16e9)) == 209
     assert round(ar.decode_ceiling(DEVICES["cpu-ddr5"].bandwidth_bytes_s, 16e9)) == 6

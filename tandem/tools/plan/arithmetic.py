@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, resolve_kv_cache_dtype
 from tandem.tools.plan.devices import GiB
 from tandem.tools.plan.presets import ModelSpec
 
@@ -108,15 +108,21 @@ def weight_bytes(spec: ModelSpec, dtype: str) -> WeightBytes:
     return WeightBytes(total, total - emb, emb, dtype)
 
 
-def resolve_kv_dtype(kv_cache_dtype: str, weight_dtype: str) -> str:
-    """Normalise the KV dtype name; ``auto`` follows the weights (fp32 or 16-bit)."""
+def resolve_kv_dtype(kv_cache_dtype: str, weight_dtype: str, device_kind: str) -> str:
+    """Normalise the KV dtype name; ``auto`` is what tandem's engine holds with
+    these weights on a ``device_kind`` ("gpu" or "cpu") device: the dtype it
+    computes in (float weights' own; with quantized weights fp32 on CPU, bf16
+    on a GPU), with fp16 in place of fp32 on CPU."""
     kv = kv_cache_dtype.lower()
     if kv not in KV_DTYPES:
         raise ValueError(
             f"unknown --kv-cache-dtype {kv_cache_dtype!r}; choose from {', '.join(KV_DTYPES)}"
         )
     if kv == "auto":
-        return "fp32" if weight_dtype == "fp32" else "bf16"
+        on_cpu = device_kind == "cpu"
+        compute = weight_dtype if weight_dtype in ("fp32", "bf16", "fp16") else (
+            "fp32" if on_cpu else "bf16")
+        return resolve_kv_cache_dtype("auto", "cpu" if on_cpu else "cuda", compute)
     return {"16bit": "bf16", "8bit": "int8"}.get(kv, kv)
 
 

@@ -161,7 +161,7 @@ def plan(
             )
 
     wdtype = resolve_dtype(spec, dtype)
-    kvdtype = resolve_kv_dtype(kv_cache_dtype, wdtype)
+    kvdtype = resolve_kv_dtype(kv_cache_dtype, wdtype, device.kind)
     if context is None:
         context = min(8192, spec.max_context or 8192)
     is_gpu = device.kind == "gpu"

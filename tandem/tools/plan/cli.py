@@ -88,7 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv-cache-dtype", default="auto", metavar="DTYPE",
-        help=f"KV cache: {', '.join(KV_DTYPES)} (auto: 16-bit, fp32 with fp32 weights)",
+        help=f"KV cache: {', '.join(KV_DTYPES)} (auto: tandem's: fp16 on CPU; on a GPU the "
+        "weights' 16 bits, bf16 for quantized weights, fp32 with fp32 weights)",
     )
     p.add_argument("--device", help=f"a device preset: {', '.join(DEVICES)}")
     p.add_argument("--memory", help="device memory, e.g. 80GB, 24GiB (a plain number: GB)")

@@ -22,6 +22,7 @@ import textwrap
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tandem.config import KV_CACHE_DTYPES
 from tandem.tools.plan import arithmetic as ar
 from tandem.tools.plan.capacity import plan
 from tandem.tools.plan.devices import Device, GiB, MiB
@@ -122,12 +123,12 @@ def engine_settings(dtype: str, kv_cache_dtype: str) -> tuple[str, str, str]:
     kv = kv_cache_dtype.lower()
     if kv in ("int8", "8bit"):
         engine_kv = "int8"
-    elif kv in ("auto", "fp16"):
+    elif kv in KV_CACHE_DTYPES:
         engine_kv = kv
     else:
         raise ValueError(
-            f"--engine-check: tandem's cache is --kv-cache-dtype auto (the weights' dtype), "
-            f"fp16 or int8, not {kv_cache_dtype!r}"
+            f"--engine-check: tandem's cache is --kv-cache-dtype {', '.join(KV_CACHE_DTYPES)}, "
+            f"not {kv_cache_dtype!r}"
         )
     return engine_dtype, quant, engine_kv
 
@@ -170,11 +171,7 @@ def compare(
     c = engine.config
     quant = c.quantization
     wdtype = quant if quant != "none" else _PLANNER_DTYPES[str(engine.dtype).split(".")[-1]]
-    # The cache dtype the engine really holds: int8, fp16, or its activations' dtype (fp32
-    # on CPU even for quantized weights, where the planner's "auto" would assume 16-bit).
-    kvname = c.kv_cache_dtype if c.kv_cache_dtype != "auto" else _PLANNER_DTYPES[
-        str(engine.dtype).split(".")[-1]
-    ]
+    kvname = engine.kv_cache_dtype  # what the engine really holds ("auto" resolved)
     elem = ar.kv_element_bytes(kvname, spec.head_dim)
     kv_tok = ar.kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, elem)
     w = ar.weight_bytes(spec, wdtype)
