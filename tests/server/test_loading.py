@@ -6,6 +6,7 @@ build the tiny model; a failing loader stands for a bad --model.
 
 from __future__ import annotations
 
+import gc
 import socket
 import threading
 import time
@@ -34,6 +35,14 @@ def _wait_healthy(url: str, timeout: float = 30.0) -> None:
     while httpx.get(f"{url}/health", timeout=5).status_code != 200:
         assert time.monotonic() < deadline, "the server never became ready"
         time.sleep(0.02)
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze_heap():
+    """A loaded server freezes its process's start-up heap; in a test process, undo it."""
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture
@@ -72,8 +81,11 @@ def test_routes_answer_503_while_loading_then_serve(gated_server):
     assert httpx.get(f"{url}/api/version").status_code == 200
     assert httpx.get(f"{url}/").text == "Ollama is running"
 
+    assert gc.get_freeze_count() == 0
     release.set()
     _wait_healthy(url)
+    # Ready means start-up's heap is frozen out of the collector's full passes.
+    assert gc.get_freeze_count() > 0
     r = httpx.post(f"{url}/v1/completions", timeout=60, json={
         "model": "tiny", "prompt": [1, 2, 3], "max_tokens": 5, "ignore_eos": True})
     assert r.status_code == 200, r.text

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import threading
 import traceback
@@ -151,6 +152,7 @@ async def _when_loaded(app: FastAPI, engine: EngineClient | Loader, config: Serv
             app.state.load_error = error
             return
         app.state.tandem = _server_state(loaded, config)
+        _freeze_startup_heap()
     state: ServerState = app.state.tandem
     logger.info("serving %s (max_model_len %d, max_num_seqs %d, max_queue %d)",
                 state.card.name, state.card.max_model_len,
@@ -159,6 +161,17 @@ async def _when_loaded(app: FastAPI, engine: EngineClient | Loader, config: Serv
                 "the model stops or the context is full (chat, /api/*), %d (/v1/completions)",
                 state.defaults.describe(), openai.COMPLETIONS_DEFAULT_MAX_TOKENS)
     await StatsLogger(state.engine, config.stats_interval_s).run()
+
+
+def _freeze_startup_heap() -> None:
+    """Move what start-up made (imports, the model's Python objects) out of the
+    garbage collector's reach, as vLLM's engine does: it lives as long as the
+    server, yet every full collection would walk it (~310k objects with the
+    default model) holding the GIL, a 131-144 ms stall of every stream on a
+    2-vCPU Zen 4; frozen, a full collection of what serving leaves took ~0 ms.
+    Start-up's own garbage goes first."""
+    gc.collect()
+    gc.freeze()
 
 
 async def _in_daemon_thread(load: Loader) -> tuple[EngineClient | None, BaseException | None]:
