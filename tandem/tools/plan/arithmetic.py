@@ -20,8 +20,9 @@ with the numbers filled in and checked by hand. Stated assumptions:
   layout (``Int8KVCache``): 1 B plus one fp32 scale per token and head, i.e.
   1 + 4 / head_dim B (1.0625 B at head_dim 64, 1.03125 B at 128); q8_0 is
   llama.cpp's: 1 B plus an fp16 scale per 32 elements = 1.0625 B. ``auto``
-  is tandem's own cache on the device (``resolve_kv_dtype``): fp16 on CPU; on
-  a GPU fp32 for fp32 weights, anything else 16-bit.
+  is tandem's own cache on the device (``resolve_kv_dtype``): fp32 and
+  quantized weights give fp16 on CPU, fp32 weights fp32 on a GPU, anything
+  else 16-bit.
 * Memory for the cache = memory x utilization - reserve - weights - the
   activation peak of one step (what the engine's warm-up would measure).
   GPUs default to utilization 0.92 and no reserve (vLLM's default); CPUs to
