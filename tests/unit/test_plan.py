@@ -235,7 +235,14 @@ def test_scenario_20_agents() -> None:
 
 def test_scenario_cpu_vps_8gb() -> None:
     vps = Device("vps", "8 GB VPS", "cpu", int(8e9), 20e9)
-    p = cap.plan(load_model("qwen2.5-1.5b"), vps, users=10)
+    # tandem holds a bf16 checkpoint in fp32 on CPU: 6.2 GB of weights do not fit,
+    # and the plan says so and what would.
+    wide = cap.plan(load_model("qwen2.5-1.5b"), vps, users=10)
+    assert wide.dtype == "fp32" and wide.kv_cache_dtype == "fp16" and not wide.fits
+    assert any("--dtype int8 (weights 1.55 GB) fits" in w for w in wide.warnings)
+    assert any("holds this bf16 checkpoint in fp32" in n for n in wide.notes)
+    p = cap.plan(load_model("qwen2.5-1.5b"), vps, dtype="int8", users=10)
+    assert "--quantization int8" in p.flags["tandem"]
     assert p.reserve_bytes == ar.DEFAULT_CPU_RESERVE and p.gpu_memory_utilization == 1.0
     assert p.fits and p.max_num_seqs >= 2
     assert "--gpu-memory-utilization" not in " ".join(p.flags["tandem"])

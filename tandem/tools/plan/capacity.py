@@ -161,6 +161,10 @@ def plan(
             )
 
     wdtype = resolve_dtype(spec, dtype)
+    if dtype == "auto" and device.kind == "cpu" and wdtype in ("bf16", "fp16"):
+        # What tandem holds: it computes in fp32 on CPU (EngineConfig.dtype's auto), so a
+        # 16-bit checkpoint is widened at load unless --quantization int8 / int4.
+        wdtype = "fp32"
     kvdtype = resolve_kv_dtype(kv_cache_dtype, wdtype, device.kind)
     if context is None:
         context = min(8192, spec.max_context or 8192)
@@ -505,6 +509,12 @@ def _warnings(p: Plan, *, explore: bool) -> None:
         p.notes.append(
             f"{p.users:g} users are not {p.users:g} streams: at {p.gen_seconds:g} s of "
             f"generation per {p.turn_seconds:g} s turn only ~{p.in_flight:.1f} generate at once"
+        )
+    if p.device.kind == "cpu" and p.dtype == "fp32" and s.default_dtype in ("bf16", "fp16"):
+        p.notes.append(
+            f"weights in fp32: tandem computes in fp32 on CPU, so it holds this "
+            f"{s.default_dtype} checkpoint in fp32 (twice its bytes); --dtype int8 or int4 "
+            "plans tandem's --quantization"
         )
     if p.dtype == "file":
         p.notes.append(

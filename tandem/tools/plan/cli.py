@@ -84,7 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", dest="model_opt", metavar="MODEL", help="same as the positional")
     p.add_argument(
         "--dtype", default="auto", metavar="DTYPE",
-        help=f"weights: {', '.join(WEIGHT_DTYPES)} (auto: the checkpoint's; file: GGUF as stored)",
+        help=f"weights: {', '.join(WEIGHT_DTYPES)} (auto: the checkpoint's, fp32 for a 16-bit one "
+        "on a CPU device, as tandem holds it there; file: GGUF as stored)",
     )
     p.add_argument(
         "--kv-cache-dtype", default="auto", metavar="DTYPE",
