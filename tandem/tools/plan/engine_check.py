@@ -111,8 +111,10 @@ def engine_settings(dtype: str, kv_cache_dtype: str) -> tuple[str, str, str]:
     """The planner's --dtype/--kv-cache-dtype as the engine's (dtype, quantization, kv dtype)."""
     if dtype == "file":
         raise ValueError(
-            "--engine-check: tandem dequantizes GGUF tensors (fp32 on CPU), so --dtype file "
-            "does not describe what it holds; use auto, fp32, bf16, fp16, int8 or int4"
+            "--engine-check starts the engine with the weights as --dtype says (auto: "
+            "dequantized, --quantization none), and tandem re-blocks a GGUF's K-quants, so "
+            "--dtype file does not describe what it would hold; use auto, fp32, bf16, fp16, "
+            "int8 or int4"
         )
     if dtype in ("int8", "int4"):
         engine_dtype, quant = "auto", dtype
