@@ -196,11 +196,11 @@ class Result:
     # point (the single stream's, by default), the server idle; their mean is the
     # ceiling (0: not probed).
     bw_probes: tuple[float, float] = (0.0, 0.0)
+    points: dict[int, dict] = field(default_factory=dict)
 
     @property
     def bw(self) -> float:
         return sum(self.bw_probes) / 2
-    points: dict[int, dict] = field(default_factory=dict)
 
 
 def measure(label: str, path: Path, a: argparse.Namespace, port: int) -> Result:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, resolve_dtype
 from tandem.core.detokenizer import IncrementalDetokenizer
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.output_processor import EngineCoreOutput, process_output
@@ -62,10 +62,7 @@ class LLMEngine:
         self.device = _resolve_device(config)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or torch.get_num_threads())
-        if config.dtype == "auto":  # bf16 matmuls are ~50x slower than fp32 on CPUs without AMX
-            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        else:
-            self.dtype = _DTYPES[config.dtype]
+        self.dtype = _DTYPES[resolve_dtype(config.dtype, self.device.type)]
         files = resolve_model(config.model, config.load_format)
         self.model_dir = files.dir
         self.model = load_model(

@@ -41,6 +41,7 @@ import math
 from dataclasses import dataclass
 
 from tandem.config import EngineConfig, resolve_kv_cache_dtype
+from tandem.config import resolve_dtype as resolve_engine_dtype
 from tandem.tools.plan.devices import GiB
 from tandem.tools.plan.presets import ModelSpec
 
@@ -49,6 +50,8 @@ KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "16bit", "fp8", "int8", "8bit", "q8
 INT4_GROUP = 32
 KV8_GROUP = 32
 KV8_DTYPES = ("int8", "fp8", "q8_0")
+# The engine's float dtype names (tandem.config's --dtype) in the planner's.
+PLANNER_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 BLOCK_SIZE = EngineConfig.block_size
 DEFAULT_GPU_UTILIZATION = EngineConfig.gpu_memory_utilization
 DEFAULT_CPU_RESERVE = 2 * GiB
@@ -110,21 +113,26 @@ def weight_bytes(spec: ModelSpec, dtype: str) -> WeightBytes:
     return WeightBytes(total, total - emb, emb, dtype)
 
 
+def engine_compute_dtype(device_kind: str) -> str:
+    """What tandem's engine computes in with --dtype auto on a ``device_kind``
+    ("gpu" or "cpu") device, in the planner's names (tandem.config.resolve_dtype)."""
+    return PLANNER_DTYPES[resolve_engine_dtype("auto", "cpu" if device_kind == "cpu" else "cuda")]
+
+
 def resolve_kv_dtype(kv_cache_dtype: str, weight_dtype: str, device_kind: str) -> str:
     """Normalise the KV dtype name; ``auto`` is what tandem's engine holds with
-    these weights on a ``device_kind`` ("gpu" or "cpu") device: the dtype it
-    computes in (float weights' own; with quantized weights fp32 on CPU, bf16
-    on a GPU), with fp16 in place of fp32 on CPU."""
+    these weights on a ``device_kind`` device: the dtype it computes in (float
+    weights' own, quantized ones' engine_compute_dtype), with fp16 in place of
+    fp32 on CPU (tandem.config.resolve_kv_cache_dtype)."""
     kv = kv_cache_dtype.lower()
     if kv not in KV_DTYPES:
         raise ValueError(
             f"unknown --kv-cache-dtype {kv_cache_dtype!r}; choose from {', '.join(KV_DTYPES)}"
         )
     if kv == "auto":
-        on_cpu = device_kind == "cpu"
-        compute = weight_dtype if weight_dtype in ("fp32", "bf16", "fp16") else (
-            "fp32" if on_cpu else "bf16")
-        return resolve_kv_cache_dtype("auto", "cpu" if on_cpu else "cuda", compute)
+        compute = weight_dtype if weight_dtype in PLANNER_DTYPES.values() else (
+            engine_compute_dtype(device_kind))
+        return resolve_kv_cache_dtype("auto", "cpu" if device_kind == "cpu" else "cuda", compute)
     return {"16bit": "bf16", "8bit": "int8"}.get(kv, kv)
 
 

@@ -26,6 +26,7 @@ from tandem.tools.plan.arithmetic import (
     decode_flops_per_token,
     decode_step,
     dense_bytes,
+    engine_compute_dtype,
     in_flight,
     kv_bytes_per_token,
     kv_element_bytes,
@@ -162,9 +163,9 @@ def plan(
 
     wdtype = resolve_dtype(spec, dtype)
     if dtype == "auto" and device.kind == "cpu" and wdtype in ("bf16", "fp16"):
-        # What tandem holds: it computes in fp32 on CPU (EngineConfig.dtype's auto), so a
-        # 16-bit checkpoint is widened at load unless --quantization int8 / int4.
-        wdtype = "fp32"
+        # What tandem holds: it computes in fp32 on CPU, so a 16-bit checkpoint is
+        # widened at load unless --quantization int8 / int4.
+        wdtype = engine_compute_dtype(device.kind)
     kvdtype = resolve_kv_dtype(kv_cache_dtype, wdtype, device.kind)
     if context is None:
         context = min(8192, spec.max_context or 8192)

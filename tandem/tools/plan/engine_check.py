@@ -31,7 +31,6 @@ from tandem.tools.plan.presets import PRESETS, ModelSpec, load_model
 TOLERANCE = 0.05  # planned vs allocated cache tokens may differ by this fraction
 
 _ENGINE_DTYPES = {"auto": "auto", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-_PLANNER_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 @dataclass
@@ -172,7 +171,7 @@ def compare(
 
     c = engine.config
     quant = c.quantization
-    wdtype = quant if quant != "none" else _PLANNER_DTYPES[str(engine.dtype).split(".")[-1]]
+    wdtype = quant if quant != "none" else ar.PLANNER_DTYPES[str(engine.dtype).split(".")[-1]]
     kvname = engine.kv_cache_dtype  # what the engine really holds ("auto" resolved)
     elem = ar.kv_element_bytes(kvname, spec.head_dim)
     kv_tok = ar.kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, elem)
