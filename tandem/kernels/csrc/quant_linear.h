@@ -53,11 +53,6 @@ namespace tandem {
 
 constexpr int64_t kInt8Group = 32;
 constexpr int64_t kInt8RowBlock = 4;
-// Tiles one row (a single stream's decode) multiplies at a time: four
-// independent weight streams per thread instead of two took a 1.66B Q4_0
-// decode step from 26.8-32.1 to 24.3-30.9 ms on a 2-vCPU Zen 4 (Q8_0: no
-// change; eight: 36.7 ms).
-constexpr int kOneRowTiles = 4;
 
 // Row r [K] quantized per group of 32 into q [kp] (the tail left 0), with
 // each group's scale and the sum of its quantized values.
@@ -127,12 +122,20 @@ constexpr int64_t tile_bytes(int64_t kp) {
 //
 // pf, when set, is a share of the next tiles' bytes to bring into cache while
 // this block multiplies: pf_group bytes of it per group (see quant_tiles).
+//
+// A block of one row and one tile (a single stream's decode) sums each group
+// in two accumulators, alternate chunks (int4: low and high nibbles), halving
+// its VPDPBUSD chain: from L3 (the kernel alone, 2-vCPU Zen 4) int4 [2048,
+// 2048] 79.8 -> 83.3 GB/s, [8192, 2048] 112.4 -> 113.9 (int8: the same).
+// Four tiles at a time read those at 93.2 and 126.5 (see quant_tiles for why
+// one row takes one tile anyway).
 template <TileFormat F, int MR, int NT>
 inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, const float* xq,
                         int64_t kp, int64_t m0, const TileWeight& w, int64_t t0, int64_t nt,
                         const float* bias, bool accumulate, float* out, int64_t os,
                         const uint8_t* pf = nullptr, int64_t pf_group = 0) {
   constexpr bool kInt4 = F != TileFormat::kInt8;
+  constexpr bool kSplit = MR == 1 && NT == 1;
   constexpr int64_t GB = group_bytes<F>();
   const int64_t G = kp / kInt8Group, tb = tile_bytes<F>(kp);
   const __m512i low4 = _mm512_set1_epi8(15);
@@ -154,10 +157,10 @@ inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, con
   for (int64_t g = 0; g < G; g++) {
     for (int64_t o = 0; o < pf_group; o += 64)
       _mm_prefetch(reinterpret_cast<const char*>(pf + g * pf_group + o), _MM_HINT_T1);
-    __m512i acc[MR][NT];
+    __m512i acc[MR][NT], acc2[MR][NT];  // acc2: kSplit's second chain
     for (int i = 0; i < MR; i++) {
       const __m512i init = _mm512_set1_epi32(-weight_offset<F>() * qs[(m0 + i) * G + g]);
-      for (int j = 0; j < NT; j++) acc[i][j] = init;
+      for (int j = 0; j < NT; j++) acc[i][j] = init, acc2[i][j] = _mm512_setzero_si512();
     }
     if constexpr (kInt4) {
       for (int c = 0; c < 4; c++) {
@@ -170,8 +173,11 @@ inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, con
         for (int i = 0; i < MR; i++) {
           const __m512i al = broadcast4(i, g * 32 + c * 4);
           const __m512i ah = broadcast4(i, g * 32 + 16 + c * 4);
-          for (int j = 0; j < NT; j++)
-            acc[i][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[i][j], lw[j], al), hw[j], ah);
+          for (int j = 0; j < NT; j++) {
+            acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], lw[j], al);
+            __m512i& high = kSplit ? acc2[i][j] : acc[i][j];
+            high = _mm512_dpbusd_epi32(high, hw[j], ah);
+          }
         }
       }
     } else {
@@ -188,10 +194,14 @@ inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, con
         for (int j = 0; j < NT; j++) wv[j] = _mm512_loadu_si512(wt[j] + (g * 8 + c) * 64);
         for (int i = 0; i < MR; i++) {
           const __m512i av = broadcast4(i, (g * 8 + c) * 4);
-          for (int j = 0; j < NT; j++) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], wv[j], av);
+          for (int j = 0; j < NT; j++) {
+            __m512i& a = kSplit && (c & 1) ? acc2[i][j] : acc[i][j];
+            a = _mm512_dpbusd_epi32(a, wv[j], av);
+          }
         }
       }
     }
+    if constexpr (kSplit) acc[0][0] = _mm512_add_epi32(acc[0][0], acc2[0][0]);
     auto fp16x16 = [](const void* p) {
       return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     };
@@ -233,16 +243,24 @@ inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, con
 // Outputs of tiles [tile0, tile1) (16 each) for M quantized rows q [M, kp]
 // (scales xs, sums qs and their products xq [M, kp / 32]): out[m, n] = y (+ bias[n]) (+ out[m, n]
 // when accumulate). Batches: a tile pair stays in L2 while blocks of 4 rows
-// pass it; one row: kOneRowTiles tiles at a time.
+// pass it; one row: one tile after the other.
 template <TileFormat F>
 inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, const float* xq,
                         int64_t kp, int64_t M, const TileWeight& w, int64_t tile0, int64_t tile1,
                         const float* bias, bool accumulate, float* out, int64_t os) {
   if (M == 1) {
-    for (int64_t t0 = tile0; t0 < tile1; t0 += kOneRowTiles)
-      quant_block<F, 1, kOneRowTiles>(q, xs, qs, xq, kp, 0, w, t0,
-                                      std::min<int64_t>(kOneRowTiles, tile1 - t0), bias,
-                                      accumulate, out, os);
+    // Tiles lie one after the other, so a thread reads its share as one
+    // sequential stream (int8 with group scales: two). Four tiles at a time
+    // (four streams 16 x kp bytes apart) were faster from L3 for int4 (above)
+    // but read a DRAM-sized weight, what a decode step streams, slower:
+    // [131072, 4096] on a 2-vCPU Zen 4, whose DRAM alternates between two
+    // states (sum() at ~34 and ~58 GB/s), Q8_0 43.7 -> 51.2 GB/s in the fast
+    // state, 32.0 -> 34.4 in the slow one, Q4_0 46.9 -> 50.9 and 33.6 -> 34.5;
+    // single-stream decode, alternated: 1.66B Q8_0 37.8-64.6 -> 33.1-58.3 ms
+    // a token, Q4_0 24.2-33.0 -> 19.6-30.9, the default model 3.8-5.6 ->
+    // 3.1-4.3 (8 pairs each).
+    for (int64_t t = tile0; t < tile1; t++)
+      quant_block<F, 1, 1>(q, xs, qs, xq, kp, 0, w, t, 1, bias, accumulate, out, os);
     return;
   }
   // A batch reads each tile pair from memory in its first row block and from
