@@ -10,9 +10,10 @@ and measured:
 * load: process start until /health is 200 (includes any one-time GGUF conversion the
   engine does on a file's first load: run twice to see a warm load); peak RSS of the
   server during load (VmHWM at that moment) and its RSS just after;
-* serving: ``tandem bench serve``, 128-token prompts, 128 output tokens, ignore_eos,
-  closed loop, at 1, 16 and 32 streams: tok/s, TTFT and ITL; the server's peak RSS
-  during the run (VmHWM, reset after load through /proc/PID/clear_refs).
+* serving: ``tandem bench serve``, 128-token prompts, 128 output tokens (``--input-len``,
+  ``--output-len``), ignore_eos, closed loop, at 1, 16 and 32 streams: tok/s, TTFT and
+  ITL; the server's peak RSS during the run (VmHWM, reset after load through
+  /proc/PID/clear_refs).
 
 Baselines, measured in this run:
 
@@ -23,11 +24,14 @@ Baselines, measured in this run:
   vectors, as the engine holds them (engine dtype for dense weights, fp16 embedding for
   quantized ones: see read_per_token; an unknown ``quantization_level`` falls back to
   the GGUF's tensor bytes excluding token_embd and norms). The GGUF figure is printed
-  too, with its ceiling: what a step reads serving the file's own format.
+  too, with its ceiling: what a step reads serving the file's own format. Plus the KV
+  cache a decode step reads at the run's mean context (input + output / 2 tokens, at
+  the bytes a token the server logs): ~2% of the 1B shape's bytes at 128 + 128 tokens,
+  the larger part with a long ``--input-len``.
 * compute ceiling = matmul throughput of this CPU (torch.mm at M=128 of a 2048x2048
   matrix: fp32, bf16, and int8 through torch._int_mm) / the matmul FLOP one output
   token of this workload costs: its decode step (2 x the matmul params, LM head
-  included) plus its share of the prompt (128 prompt tokens per 128 output tokens, at
+  included) plus its share of the prompt (input tokens per output tokens, at
   2 x the params but the LM head's, which a prompt token skips); 16/32-stream tok/s is
   printed as a ratio of the int8 and fp32 ceilings. Attention's FLOP (~1% at these
   lengths) are left out, so the ceiling is an upper bound.
@@ -49,6 +53,7 @@ streams with p99 ITL <= 400 ms (1.2B int8); peak RSS during load <= 1.3 x
 
     .venv/bin/python benchmarks/real_models.py [--shape 1b] [--types f16 q8_0 q4_0 q4_k_m]
         [--quantization X] [--streams 1 16 32] [--prompts-per-stream 1] [--kv-cache-memory 2GiB]
+        [--input-len 128] [--output-len 128]
 """
 
 from __future__ import annotations
@@ -73,10 +78,9 @@ from synthetic_gguf import synthetic_gguf
 
 TANDEM = str(Path(sys.executable).parent / "tandem")
 DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
-INPUT_LEN = OUTPUT_LEN = 128  # tokens per request: tandem bench serve --input-len / --output-len
 QUANT_LEVELS = frozenset({"INT8", "Q8_0", "Q4_0", "Q4_1"})  # tandem.model.linear.quantization_level
 PROBE_AGREEMENT = 0.15  # probes further apart than this straddled a change of bandwidth
-KV_LOG = re.compile(r"KV cache \([^)]*\): .*?\(([\d.]+) GiB\)")
+KV_LOG = re.compile(r"KV cache \([^)]*\): .*? (\d+) bytes/token \(([\d.]+) GiB\)")
 
 
 # ------------------------------------------------------------------ this machine
@@ -138,10 +142,10 @@ def file_info(path: Path) -> FileInfo:
                     read)
 
 
-def flop_per_output_token(i: FileInfo) -> float:
-    """Matmul FLOP per output token of INPUT_LEN-token prompts and OUTPUT_LEN-token replies."""
+def flop_per_output_token(i: FileInfo, input_len: int, output_len: int) -> float:
+    """Matmul FLOP per output token of input_len-token prompts and output_len-token replies."""
     body = i.matmul_params - (0 if i.lm_head_elems == i.embed_elems else i.lm_head_elems)
-    return 2 * ((body + i.lm_head_elems) * OUTPUT_LEN + body * INPUT_LEN) / OUTPUT_LEN
+    return 2 * ((body + i.lm_head_elems) * output_len + body * input_len) / output_len
 
 
 # ------------------------------------------------------------------ the server
@@ -166,11 +170,12 @@ def reset_peak(pid: int) -> bool:
         return False
 
 
-def run_point(url: str, streams: int, num_prompts: int, outdir: Path) -> dict:
+def run_point(url: str, streams: int, num_prompts: int, outdir: Path,
+              a: argparse.Namespace) -> dict:
     name = f"c{streams}.json"
     subprocess.run(
         [TANDEM, "bench", "serve", "--base-url", url, "--dataset-name", "random",
-         "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--ignore-eos",
+         "--input-len", str(a.input_len), "--output-len", str(a.output_len), "--ignore-eos",
          "--num-prompts", str(num_prompts), "--max-concurrency", str(streams),
          "--num-warmups", "1", "--disable-tqdm", "--no-plots", "--save-result",
          "--result-dir", str(outdir), "--result-filename", name],
@@ -191,7 +196,9 @@ class Result:
     run_peak_reset: bool = True
     served: int = 0
     level: str = ""
-    read_per_token: int = 0
+    read_per_token: int = 0  # weights a decode step streams
+    kv_per_token: int = 0  # bytes of KV cache per token of context (the server's log)
+    kv_read: int = 0  # KV bytes a decode step reads at the run's mean context
     read_source: str = ""
     kv_pool: int = 0
     kv_source: str = ""
@@ -239,13 +246,16 @@ def measure(label: str, path: Path, a: argparse.Namespace, port: int) -> Result:
             res.read_per_token, res.read_source = read_per_token(res.served, res.level, info)
             m = KV_LOG.search(log.read_text(errors="replace"))
             if m:
-                res.kv_pool, res.kv_source = int(float(m.group(1)) * 2**30), "server log"
+                res.kv_per_token = int(m.group(1))
+                res.kv_read = res.kv_per_token * (a.input_len + a.output_len // 2)
+                res.kv_pool, res.kv_source = int(float(m.group(2)) * 2**30), "server log"
             else:
                 res.kv_pool, res.kv_source = parse_size(a.kv_cache_memory), "--kv-cache-memory"
             for i, c in enumerate(a.streams):
                 for _ in range(a.probe_tries if i == 0 else 1):
                     before = read_bandwidth_gbs() * 1e9 if i == 0 else 0.0
-                    res.points[c] = run_point(url, c, max(2, c * a.prompts_per_stream), Path(d))
+                    res.points[c] = run_point(url, c, max(2, c * a.prompts_per_stream), Path(d),
+                                              a)
                     if i == 0:
                         res.bw_probes = (before, read_bandwidth_gbs() * 1e9)
                         res.probe_runs += 1
@@ -305,7 +315,8 @@ def gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
-def print_result(r: Result, bw: float, flops: dict[str, float | None]) -> None:
+def print_result(r: Result, bw: float, flops: dict[str, float | None],
+                 a: argparse.Namespace) -> None:
     i = r.info
     print(f"\n== {r.label}: {i.path.name}, {gb(i.size)}, {i.params / 1e9:.2f} B params "
           f"({i.matmul_params / 1e9:.2f} B in matmuls)", flush=True)
@@ -317,7 +328,10 @@ def print_result(r: Result, bw: float, flops: dict[str, float | None]) -> None:
     print(f"   load            {r.load_s:7.1f} s to /health 200")
     print(f"   weights         {gb(r.served)} resident (/api/ps, {r.level}); read per token "
           f"{gb(r.read_per_token)} ({r.read_source}); GGUF tensors {gb(i.file_read_per_token)}")
-    print(f"   KV pool         {gb(r.kv_pool)} ({r.kv_source})")
+    kv = (f"; a decode step reads {gb(r.kv_read)} of it at the mean context "
+          f"({a.input_len} + {a.output_len} / 2 tokens, {r.kv_per_token} bytes a token)"
+          if r.kv_per_token else "")
+    print(f"   KV pool         {gb(r.kv_pool)} ({r.kv_source}){kv}")
     run_what = "since load" if r.run_peak_reset else "whole life: clear_refs failed"
     run = (f"{gb(r.run_peak)} ({run_what}) = {r.run_peak / wkv:.2f} x" if r.run_peak
            else "n/a")
@@ -329,12 +343,13 @@ def print_result(r: Result, bw: float, flops: dict[str, float | None]) -> None:
               f"after the {next(iter(r.points))}-stream run, {agreed})" if r.bw
               else " (at start)")
     bw = r.bw or bw
-    ceiling = bw / r.read_per_token
-    file_ceiling = bw / i.file_read_per_token
-    compute = {k: v / flop_per_output_token(i) for k, v in flops.items() if v}
+    ceiling = bw / (r.read_per_token + r.kv_read)
+    file_ceiling = bw / (i.file_read_per_token + r.kv_read)
+    per_token = flop_per_output_token(i, a.input_len, a.output_len)
+    compute = {k: v / per_token for k, v in flops.items() if v}
     print(f"   ceilings        bandwidth {ceiling:.1f} tok/s at {bw / 1e9:.1f} GB/s{probes} "
-          f"(GGUF bytes: {file_ceiling:.1f}); compute for {INPUT_LEN} + {OUTPUT_LEN} tokens a "
-          "request: " + ", ".join(f"{k} {v:.0f} tok/s" for k, v in compute.items()))
+          f"(GGUF bytes: {file_ceiling:.1f}); compute for {a.input_len} + {a.output_len} tokens "
+          "a request: " + ", ".join(f"{k} {v:.0f} tok/s" for k, v in compute.items()))
     print(f"   {'streams':>7} {'tok/s':>7} {'TTFT p50':>9} {'ITL p50':>8} {'ITL p99':>8} (ms) "
           f"{'vs bw':>6} {'vs GGUF bw':>10} {'vs int8':>8} {'vs fp32':>8} {'time':>6}")
     for c, p in r.points.items():
@@ -353,7 +368,8 @@ def print_result(r: Result, bw: float, flops: dict[str, float | None]) -> None:
               f"prefill) = {dec / ceiling:.2f} of the bandwidth ceiling", flush=True)
 
 
-def print_targets(results: list[Result], bw: float, int8_flops: float | None) -> None:
+def print_targets(results: list[Result], bw: float, int8_flops: float | None,
+                  a: argparse.Namespace) -> None:
     print("\ntargets: 1 stream >= 0.85 of the bandwidth ceiling; >= 200 tok/s at 16 "
           "streams with p99 ITL <= 400 ms (1.2B int8); peak RSS during load <= 1.3 x "
           "(weights + KV pool)")
@@ -371,17 +387,19 @@ def print_targets(results: list[Result], bw: float, int8_flops: float | None) ->
         one = r.points.get(1)
         s1 = "-"
         if one:
-            overall = one["output_throughput"] * r.read_per_token / rbw
+            read = r.read_per_token + r.kv_read
+            overall = one["output_throughput"] * read / rbw
             s1 = f"{overall:.2f} {mark(overall >= 0.85):4}"
             if one.get("mean_itl_ms"):
-                decode = 1000 / one["mean_itl_ms"] * r.read_per_token / rbw
+                decode = 1000 / one["mean_itl_ms"] * read / rbw
                 s1 = f"{overall:.2f} / {decode:.2f} {mark(decode >= 0.85):4}"
         p16 = r.points.get(16)
         s16 = (f"{p16['output_throughput']:.0f}, {p16['p99_itl_ms']:.0f} ms "
                f"{mark(p16['output_throughput'] >= 200 and p16['p99_itl_ms'] <= 400):4}"
                if p16 else "-")
         ratio = r.load_peak / (r.served + r.kv_pool)
-        bound = (f"  {int8_flops / flop_per_output_token(r.info):.0f} tok/s" if int8_flops
+        per_token = flop_per_output_token(r.info, a.input_len, a.output_len)
+        bound = (f"  {int8_flops / per_token:.0f} tok/s" if int8_flops
                  else "")
         print(f"{r.label:14} {s1:>22} {s16:>26} {f'{ratio:.2f} {mark(ratio <= 1.3):4}':>15}"
               + bound + ("  (run failed)" if r.error else ""))
@@ -400,6 +418,9 @@ def main() -> None:
     ap.add_argument("--streams", nargs="+", type=int, default=[1, 16, 32])
     ap.add_argument("--prompts-per-stream", type=int, default=1,
                     help="requests per stream at each point (at least 2 in all)")
+    ap.add_argument("--input-len", type=int, default=128,
+                    help="prompt tokens a request (long ones: the KV read joins the ceiling)")
+    ap.add_argument("--output-len", type=int, default=128, help="output tokens a request")
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads for the probes and tandem serve --num-threads "
@@ -431,15 +452,15 @@ def main() -> None:
         print(f"file {label}: {path} ({'reused' if secs < 1 else f'written in {secs:.0f} s'})")
     quant = a.quantization if a.quantization is not None else "(not passed)"
     print(f"tandem serve --quantization {quant}, --kv-cache-memory {a.kv_cache_memory}; "
-          f"bench: 128 in / 128 out, ignore_eos, closed loop, "
+          f"bench: {a.input_len} in / {a.output_len} out, ignore_eos, closed loop, "
           f"{a.prompts_per_stream} prompts per stream", flush=True)
 
     results = []
     for label, path, _ in files:
         r = measure(label, path, a, a.port)
-        print_result(r, bw, flops)
+        print_result(r, bw, flops, a)
         results.append(r)
-    print_targets(results, bw, flops["int8"])
+    print_targets(results, bw, flops["int8"], a)
 
 
 if __name__ == "__main__":
