@@ -66,6 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -252,15 +253,9 @@ def measure(label: str, path: Path, a: argparse.Namespace, port: int) -> Result:
             else:
                 res.kv_pool, res.kv_source = parse_size(a.kv_cache_memory), "--kv-cache-memory"
             for i, c in enumerate(a.streams):
-                for _ in range(a.probe_tries if i == 0 else 1):
-                    before = read_bandwidth_gbs() * 1e9 if i == 0 else 0.0
-                    res.points[c] = run_point(url, c, max(2, c * a.prompts_per_stream), Path(d),
-                                              a)
-                    if i == 0:
-                        res.bw_probes = (before, read_bandwidth_gbs() * 1e9)
-                        res.probe_runs += 1
-                        if res.probes_agree:
-                            break
+                def run(c: int = c) -> dict:
+                    return run_point(url, c, max(2, c * a.prompts_per_stream), Path(d), a)
+                res.points[c] = run_probed(run, res, a.probe_tries) if i == 0 else run()
                 res.run_peak = proc_status(proc.pid)["VmHWM"]
         except (RuntimeError, subprocess.CalledProcessError, httpx.HTTPError, KeyError) as e:
             res.error = str(e).splitlines()[0] if isinstance(e, RuntimeError) else repr(e)
@@ -277,6 +272,19 @@ def measure(label: str, path: Path, a: argparse.Namespace, port: int) -> Result:
                 proc.kill()
                 proc.wait()
     return res
+
+
+def run_probed(run: Callable[[], dict], res: Result, tries: int) -> dict:
+    """run() between two bandwidth probes (res.bw_probes), again until they agree or
+    it has run `tries` times: a run whose probes disagree straddled a change of state."""
+    for _ in range(tries):
+        before = read_bandwidth_gbs() * 1e9
+        point = run()
+        res.bw_probes = (before, read_bandwidth_gbs() * 1e9)
+        res.probe_runs += 1
+        if res.probes_agree:
+            break
+    return point
 
 
 def read_per_token(served: int, level: str, info: FileInfo) -> tuple[int, str]:
@@ -427,7 +435,7 @@ def main() -> None:
                          "(default: torch's default in both)")
     ap.add_argument("--probe-tries", type=int, default=3,
                     help="runs of the first point at most, until the bandwidth probes before "
-                         "and after it agree within 15%%")
+                         f"and after it agree within {PROBE_AGREEMENT:.0%}%")
     ap.add_argument("--load-timeout", type=float, default=1800.0)
     ap.add_argument("--port", type=int, default=8824)
     a = ap.parse_args()

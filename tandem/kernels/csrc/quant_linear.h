@@ -157,10 +157,10 @@ inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, con
   for (int64_t g = 0; g < G; g++) {
     for (int64_t o = 0; o < pf_group; o += 64)
       _mm_prefetch(reinterpret_cast<const char*>(pf + g * pf_group + o), _MM_HINT_T1);
-    __m512i acc[MR][NT], acc2[MR][NT];  // acc2: kSplit's second chain
+    __m512i acc[MR][NT], acc2 = _mm512_setzero_si512();  // acc2: kSplit's second chain
     for (int i = 0; i < MR; i++) {
       const __m512i init = _mm512_set1_epi32(-weight_offset<F>() * qs[(m0 + i) * G + g]);
-      for (int j = 0; j < NT; j++) acc[i][j] = init, acc2[i][j] = _mm512_setzero_si512();
+      for (int j = 0; j < NT; j++) acc[i][j] = init;
     }
     if constexpr (kInt4) {
       for (int c = 0; c < 4; c++) {
@@ -175,7 +175,7 @@ inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, con
           const __m512i ah = broadcast4(i, g * 32 + 16 + c * 4);
           for (int j = 0; j < NT; j++) {
             acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], lw[j], al);
-            __m512i& high = kSplit ? acc2[i][j] : acc[i][j];
+            __m512i& high = kSplit ? acc2 : acc[i][j];
             high = _mm512_dpbusd_epi32(high, hw[j], ah);
           }
         }
@@ -195,13 +195,13 @@ inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, con
         for (int i = 0; i < MR; i++) {
           const __m512i av = broadcast4(i, (g * 8 + c) * 4);
           for (int j = 0; j < NT; j++) {
-            __m512i& a = kSplit && (c & 1) ? acc2[i][j] : acc[i][j];
+            __m512i& a = kSplit && (c & 1) ? acc2 : acc[i][j];
             a = _mm512_dpbusd_epi32(a, wv[j], av);
           }
         }
       }
     }
-    if constexpr (kSplit) acc[0][0] = _mm512_add_epi32(acc[0][0], acc2[0][0]);
+    if constexpr (kSplit) acc[0][0] = _mm512_add_epi32(acc[0][0], acc2);
     auto fp16x16 = [](const void* p) {
       return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     };
