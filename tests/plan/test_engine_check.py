@@ -1,5 +1,6 @@
 """tandem plan --engine-check: the planner's KV arithmetic against the pool the engine allocates
-(the default model, the tiny model with an int8 cache), and a mismatch that is reported."""
+(the default model as `tandem serve` holds it, the tiny model with an int8 cache), and a
+mismatch that is reported."""
 
 from __future__ import annotations
 
@@ -44,9 +45,13 @@ def test_default_model_planned_equals_allocated(capsys):
     assert chk["budget_bytes"] == 64 * 2**20 and chk["max_model_len"] == 1024
     assert chk["engine_cache_tokens"] == 64 * 2**20 // (23_040 * 16) * 16
     assert abs(chk["cache_deviation"]) <= 0.05
-    # The tied LM head is the embedding itself, as the plan counts it.
-    assert chk["engine_weight_bytes"] == chk["planned_weight_bytes"]
-    assert not any(n.startswith("weights:") for n in chk["notes"])
+    # Its weights as `tandem serve` holds them (the file's Q4_1 as int4), not dequantized:
+    # a decode step reads what the file stores; the fp16 embedding for the row lookup,
+    # beside the tied LM head, is named as the difference in what is held.
+    assert chk["weight_dtype"] == "file"
+    assert chk["engine_read_bytes"] == pytest.approx(chk["planned_read_bytes"], rel=0.01)
+    assert chk["engine_weight_bytes"] > chk["planned_weight_bytes"]
+    assert any(n.startswith("weights:") and "embedding in fp16" in n for n in chk["notes"])
 
 
 def test_fp16_cache_planned_equals_allocated(tiny_config_path, capsys):
@@ -56,6 +61,10 @@ def test_fp16_cache_planned_equals_allocated(tiny_config_path, capsys):
     # 2 layers x 2 KV heads x 8 x 2 B x 2 (K and V) = 128 B per token.
     assert code == 0 and chk["ok"] and chk["kv_cache_dtype"] == "fp16"
     assert chk["planned_kv_bytes_per_token"] == chk["engine_kv_bytes_per_token"] == 128
+    # Float weights stay float (fp32 on CPU), byte for byte what the plan counts.
+    assert chk["weight_dtype"] == "fp32"
+    assert chk["engine_weight_bytes"] == chk["planned_weight_bytes"]
+    assert not any(n.startswith("weights:") for n in chk["notes"])
 
 
 def test_int8_cache_on_the_tiny_model_with_the_plan(tiny_config_path, capsys):

@@ -110,12 +110,14 @@ def engine_settings(dtype: str, kv_cache_dtype: str) -> tuple[str, str, str]:
     """The planner's --dtype/--kv-cache-dtype as the engine's (dtype, quantization, kv dtype)."""
     if dtype == "file":
         raise ValueError(
-            "--engine-check starts the engine with the weights as --dtype says (auto: "
-            "dequantized, --quantization none), and tandem re-blocks a GGUF's K-quants, so "
-            "--dtype file does not describe what it would hold; use auto, fp32, bf16, fp16, "
-            "int8 or int4"
+            "--engine-check starts the engine with the weights as --dtype says (auto: as "
+            "`tandem serve` holds them, a GGUF in its own formats), and tandem re-blocks a "
+            "GGUF's K-quants, so --dtype file does not describe what it would hold; use auto, "
+            "fp32, bf16, fp16, int8 or int4"
         )
-    if dtype in ("int8", "int4"):
+    if dtype == "auto":  # what `tandem serve` loads: --quantization auto
+        engine_dtype, quant = "auto", "auto"
+    elif dtype in ("int8", "int4"):
         engine_dtype, quant = "auto", dtype
     elif dtype in _ENGINE_DTYPES:
         engine_dtype, quant = _ENGINE_DTYPES[dtype], "none"
@@ -171,7 +173,13 @@ def compare(
 
     c = engine.config
     quant = c.quantization
-    wdtype = quant if quant != "none" else ar.PLANNER_DTYPES[str(engine.dtype).split(".")[-1]]
+    gguf = quant == "auto" and spec.file_weight_bytes is not None  # held in its own formats
+    if gguf:
+        wdtype = "file"
+    elif quant in ("int8", "int4"):
+        wdtype = quant
+    else:  # float weights, held in the engine's compute dtype
+        wdtype = ar.PLANNER_DTYPES[str(engine.dtype).split(".")[-1]]
     kvname = engine.kv_cache_dtype  # what the engine really holds ("auto" resolved)
     elem = ar.kv_element_bytes(kvname, spec.head_dim)
     kv_tok = ar.kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, elem)
@@ -201,7 +209,13 @@ def compare(
     if engine.model.nbytes != w.total:
         extra = engine.model.nbytes - w.total
         why = []
-        if quant != "none" and spec.tie_word_embeddings:
+        if gguf:
+            why.append("the plan counts the tensors as stored; tandem keeps the token "
+                       "embedding in fp16 for the row lookup (beside a quantized LM head when "
+                       "the two are tied), re-blocks K-quants (Q4_K as int4 with an fp16 scale "
+                       "and minimum per group of 32, Q5_K and Q6_K as int8 groups of 32) and "
+                       "widens float tensors to fp32")
+        elif quant != "none" and spec.tie_word_embeddings:
             why.append("tandem keeps the tied embedding in float for the row lookup beside "
                        "its int8 LM head, the plan counts it once, quantized")
         if quant == "int4":
@@ -243,7 +257,9 @@ def format_check(chk: EngineCheck) -> str:
     out = [
         textwrap.fill(
             f"Engine check: tandem's engine started on {chk.model} ({chk.engine_device}, "
-            f"{chk.weight_dtype} weights, {chk.kv_cache_dtype} KV cache, blocks of "
+            + ("weights in the file's own formats" if chk.weight_dtype == "file"
+               else f"{chk.weight_dtype} weights")
+            + f", {chk.kv_cache_dtype} KV cache, blocks of "
             f"{chk.block_size}, max_model_len {chk.max_model_len:,})", 100,
             subsequent_indent="  ", break_on_hyphens=False),
         line(
