@@ -161,6 +161,40 @@ def test_tokenizer_matches_transformers_and_renders_chat(smollm):
             tok.apply_chat_template(bad)
 
 
+def test_a_generic_tokenizer_skips_autotokenizers_lookup(smollm, tmp_path, monkeypatch):
+    """The class transformers writes for a GGUF's vocabulary loads directly (the
+    test above checks what it encodes); a model-specific class still goes
+    through AutoTokenizer."""
+    import shutil
+
+    import transformers
+
+    _, out, _ = smollm
+    assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] in (
+        "TokenizersBackend", "PreTrainedTokenizerFast")
+    looked_up = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def spy(path, *args, **kwargs):
+        looked_up.append(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
+    fast = Tokenizer.from_dir(out)
+    assert looked_up == []
+    specific = tmp_path / "specific"
+    shutil.copytree(out, specific)
+    cfg = json.loads((specific / "tokenizer_config.json").read_text())
+    (specific / "tokenizer_config.json").write_text(
+        json.dumps({**cfg, "tokenizer_class": "GPT2Tokenizer"}))
+    auto = Tokenizer.from_dir(specific)
+    assert looked_up == [str(specific)]
+    for text in SAMPLES:
+        assert fast.encode(text) == auto.encode(text), text
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    assert fast.apply_chat_template(messages) == auto.apply_chat_template(messages)
+
+
 def test_second_call_is_cached_and_does_not_rewrite(smollm, cache_root):
     path, out, first = smollm
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
