@@ -242,7 +242,8 @@ class LLMEngine:
         meta = AttentionMetadata(
             slot_mapping=torch.arange(n, device=dev),
             decode=None,
-            prefill=build_group([n], [n], torch.arange(nblk)[None], bs, dev, self.dtype),
+            prefill=build_group([n], [n], torch.arange(nblk)[None], bs, dev, self.dtype,
+                                self.model.fused),
         )
         rows = n if logits_rows is None else logits_rows
         return self.model.forward(

@@ -4,15 +4,16 @@ The KV cache of one layer (tandem.model.kv_cache) holds ``[num_slots, 2,
 num_kv_heads, head_dim]`` (slot = block_id * block_size + offset; index 0 of
 dim 1 is K, 1 is V), so a step writes all its new K/V with one indexed copy.
 
-Decodes (one query per sequence) run tandem's fused kernel when it is built
-(``fused=True``: torch.ops.tandem.paged_attention_decode reads K/V straight
-from the cache through each block table). Otherwise, and for prefill chunks,
-each step gathers every sequence's keys through its block table into a padded
-batch and calls SDPA with a mask (aten has no paged/varlen attention op). All
-index and mask tensors are built once per step (``AttentionMetadata``) and
-reused by every layer. The flat batch is ordered decodes first, then prefill
-chunks, so the two groups are contiguous slices: decodes need no query padding
-and a lone prefill chunk needs none either.
+Decodes (one query per sequence) and prefill chunks run tandem's fused kernels
+when they are built (``fused=True``: torch.ops.tandem.paged_attention_decode
+and paged_attention_prefill read K/V straight from the cache through each
+block table, over the flat batch). Otherwise each step gathers every
+sequence's keys through its block table into a padded batch and calls SDPA
+with a mask (aten has no paged/varlen attention op). All index and mask
+tensors are built once per step (``AttentionMetadata``) and reused by every
+layer. The flat batch is ordered decodes first, then prefill chunks, so the
+two groups are contiguous slices: decodes need no query padding and a lone
+prefill chunk needs none either.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ class AttnGroup:
     batch: int
     q_len: int
     block_size: int = 0
-    block_table: torch.Tensor | None = None  # [B, blocks] int32, for the fused decode kernel
-    context_lens: torch.Tensor | None = None  # [B] int32, for the fused decode kernel
+    block_table: torch.Tensor | None = None  # [B, blocks] int32, for the fused kernels
+    context_lens: torch.Tensor | None = None  # [B] int32, for the fused kernels
+    query_starts: torch.Tensor | None = None  # [B + 1] int32 flat offsets: fused prefill
 
 
 @dataclass
@@ -62,18 +64,23 @@ def build_group(
     q_lens[i] new tokens of sequence i attend causally to its ctx_lens[i]
     cached+new tokens (the new ones are the last q_lens[i]), in the blocks of
     row i of ``block_table`` (CPU, integer, at least the longest context's
-    blocks wide; entries past a context are never read). ``fused``: a decode
-    group gets the block table and lengths the fused kernel reads.
+    blocks wide; entries past a context are never read). ``fused``: the group
+    gets the block table and lengths (and a prefill group its queries' flat
+    offsets) the fused kernels read.
     """
     b = len(q_lens)
     max_q, max_ctx = max(q_lens), max(ctx_lens)
     nblk = -(-max_ctx // block_size)
-    if fused and max_q == 1:
+    if fused:
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
         return AttnGroup(
-            num_tokens=b, key_slots=None, mask=None, q_index=None, out_index=None, batch=b,
-            q_len=1, block_size=block_size,
+            num_tokens=starts[-1], key_slots=None, mask=None, q_index=None, out_index=None,
+            batch=b, q_len=max_q, block_size=block_size,
             block_table=block_table[:, :nblk].to(device=device, dtype=torch.int32).contiguous(),
             context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
+            query_starts=None if max_q == 1 else torch.tensor(starts, dtype=torch.int32),
         )
     table = block_table[:, :nblk].long()
     offs = torch.arange(block_size, dtype=torch.long)
@@ -117,6 +124,11 @@ def build_group(
 def _attend(q: torch.Tensor, kv_cache: KVCache, g: AttnGroup, scale: float) -> torch.Tensor:
     """q: [Tg, H, D] flat queries of the group -> [Tg, H*D]."""
     t, h, d = q.shape
+    if g.query_starts is not None:
+        return torch.ops.tandem.paged_attention_prefill(
+            q, *kv_cache.kernel_args, g.block_table, g.context_lens, g.query_starts,
+            g.block_size, scale,
+        )
     if g.block_table is not None:
         return torch.ops.tandem.paged_attention_decode(
             q, *kv_cache.kernel_args, g.block_table, g.context_lens, g.block_size, scale

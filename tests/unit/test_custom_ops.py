@@ -95,6 +95,34 @@ def test_paged_attention_decode_matches_gather_and_sdpa(cache_cls, h, hkv, d, ct
     torch.testing.assert_close(out[True], out[False], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("cache_cls", [Fp32KVCache, Fp16KVCache, Int8KVCache])
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (8, 8, 128), (32, 8, 64), (4, 1, 32),
+                                     (40, 2, 64)])
+@pytest.mark.parametrize("chunks", [[(5, 37), (17, 17), (1, 40)], [(80, 700)], [(33, 33)]],
+                         ids=["3-ragged", "chunk-of-long", "whole-prompt"])
+def test_paged_attention_prefill_matches_gather_and_sdpa(cache_cls, h, hkv, d, chunks):
+    """Prefill chunks (q new tokens at the end of a ctx-token context) of several
+    sequences in one flat batch, causal from each chunk's position: tiles of 16
+    (token, query head) rows for groups of 3, 1, 4 and 8 query heads, and of
+    one token's 16 heads for a group of 20; head size 32 on the portable loop."""
+    torch.manual_seed(3)
+    bs = 16
+    ctx = [c for _, c in chunks]
+    nb = -(-max(ctx) // bs)
+    tables = [list(range(i * nb, i * nb + -(-c // bs)))[::-1] for i, c in enumerate(ctx)]
+    cache = cache_cls(nb * len(ctx) * bs, hkv, d, torch.float32, CPU)
+    slots = torch.arange(nb * len(ctx) * bs)
+    cache.write(slots, torch.randn(len(slots), 2, hkv, d) * 2)
+    t = sum(n for n, _ in chunks)
+    q = torch.randn(t, h + 2 * hkv, d)[:, :h]  # strided, like the model's view
+    out = {}
+    for fused in (False, True):
+        g = build_group([n for n, _ in chunks], ctx, padded_block_table(tables, nb), bs, CPU,
+                        fused=fused)
+        out[fused] = paged_attention(q, cache, AttentionMetadata(None, None, g), d**-0.5)
+    torch.testing.assert_close(out[True], out[False], atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (100, 37)])
 def test_int8_kernel_matches_exact_arithmetic_and_is_batch_invariant(k, n, monkeypatch):
     """The kernel's per-group integer sums, scaled, against the same arithmetic in

@@ -36,6 +36,7 @@
 #include "block_formats.h"
 #include "decode_step.h"
 #include "layer_ops.h"
+#include "prefill_attention.h"
 #include "quant_linear.h"
 #include "sampling.h"
 #include "tile_pack.h"
@@ -51,6 +52,9 @@ TORCH_LIBRARY(tandem, m) {
   m.def(
       "paged_attention_decode(Tensor q, Tensor cache, Tensor? cache_scale, Tensor block_tables, "
       "Tensor context_lens, int block_size, float scale) -> Tensor");
+  m.def(
+      "paged_attention_prefill(Tensor q, Tensor cache, Tensor? cache_scale, Tensor block_tables, "
+      "Tensor context_lens, Tensor query_starts, int block_size, float scale) -> Tensor");
   m.def("matvec(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, int N) -> Tensor");
   m.class_<tandem::DecodeStep>("DecodeStep")
@@ -74,6 +78,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("silu_and_mul", &tandem::silu_and_mul);
   m.impl("rotary_embedding_and_cache", &tandem::rotary_embedding_and_cache);
   m.impl("paged_attention_decode", &tandem::paged_attention_decode);
+  m.impl("paged_attention_prefill", &tandem::paged_attention_prefill);
   m.impl("matvec", &tandem::matvec_op);
   m.impl("int4_linear", &tandem::int4_linear);
   m.impl("int8_linear", &tandem::int8_linear);
