@@ -232,7 +232,7 @@ at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& cache,
               "block_tables and query_starts must have a row (and an end) per sequence");
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   const int32_t* starts = query_starts.data_ptr<int32_t>();
-  TORCH_CHECK(starts[B] == T, "query_starts must end at q's rows");
+  TORCH_CHECK(starts[0] == 0 && starts[B] == T, "query_starts must run from 0 to q's rows");
   for (int64_t b = 0; b < B; b++)
     TORCH_CHECK(starts[b + 1] > starts[b] && starts[b + 1] - starts[b] <= lens[b] &&
                     (lens[b] + block_size - 1) / block_size <= block_tables.size(1),
