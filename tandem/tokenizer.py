@@ -42,8 +42,9 @@ class Tokenizer:
         if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
             raise ValueError(f"{path} has no tokenizer.json or tokenizer_config.json")
         # A tokenizer without a model-specific class (what transformers writes for a
-        # GGUF's vocabulary) loads as that class directly: AutoTokenizer first looks
-        # through transformers' model modules, 2.6 of the default model's 4.3 s start.
+        # GGUF's vocabulary) loads as that class directly. AutoTokenizer first looks
+        # through transformers' model modules: the default model's took 1.51 s that
+        # way, 0.28 s this way.
         if _tokenizer_class(path / "tokenizer_config.json") in _GENERIC_CLASSES:
             from transformers import PreTrainedTokenizerFast as loader
         else:
