@@ -5,21 +5,16 @@
 // It replaces a gather of each context into a padded fp32 copy and torch's
 // SDPA with an additive mask, which ran at 60-105 GFLOP/s here (2-vCPU Zen 4;
 // fp32 FMA peak ~220) and took 45% of a 4000-token prompt's prefill on a 1.66B
-// Q4_0 model. 32 query / 8 KV heads of 64, fp16 cache, one 80-token chunk:
-// 1.7x at a 2000-token context, 1.6x at 4000; the whole 4000-token prefill
-// 41.1-41.7 -> 33.2-34.1 s (its attention 18.4-19.4 -> 12.2-12.5 s).
+// Q4_0 model. 32 query / 8 KV heads of 64, fp16 cache, one 80-token chunk
+// (benchmarks/prefill_attention.py): 2.0x at a 2000-token context, 1.6x at
+// 4000; the whole 4000-token prefill 41.1-41.7 -> 33.2-34.1 s (its attention
+// 18.4-19.4 -> 12.2-12.5 s).
 #pragma once
 
 #include "attention.h"
 
 namespace tandem {
 
-// A tile is up to 16 query rows of one KV head: (query token, query head)
-// pairs, one per vector lane. Everything per row then lives in lanes: a key's
-// scores for the tile are one vector (sum over d of Q^T[d] times the key's
-// d-th value), the online softmax's max and sum need no horizontal reduction,
-// and the output is accumulated transposed, O^T[d] += P[key] * V[key][d]. Each
-// key's K and V rows are widened to fp32 once per tile and reused by its rows.
 // A cache row of D values as fp32, times its scale (1 but for int8).
 template <typename KV>
 inline void widen_row(const KV* src, float s, int64_t D, float* dst) {
