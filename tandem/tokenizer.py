@@ -125,21 +125,23 @@ def _check_messages(messages) -> None:
 _GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
-def _tokenizer_class(path: Path) -> str | None:
-    """tokenizer_config.json's tokenizer_class; None if absent or unreadable."""
+def _json_value(path: Path, key: str):
+    """``key`` of the JSON object in ``path``; None if absent or unreadable."""
     try:
-        value = json.loads(path.read_text()).get("tokenizer_class")
+        return json.loads(path.read_text()).get(key)
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def _tokenizer_class(path: Path) -> str | None:
+    """tokenizer_config.json's tokenizer_class; None if absent or unreadable."""
+    value = _json_value(path, "tokenizer_class")
     return value if isinstance(value, str) else None
 
 
 def _generation_eos(path: Path) -> list[int]:
     """eos_token_id (int or list) from generation_config.json; [] if absent or unreadable."""
-    try:
-        value = json.loads(path.read_text()).get("eos_token_id")
-    except (OSError, ValueError, AttributeError):
-        return []
+    value = _json_value(path, "eos_token_id")
     if isinstance(value, int):
         return [value]
     if isinstance(value, list):

@@ -19,6 +19,7 @@ prefill chunk needs none either.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -72,9 +73,7 @@ def build_group(
     max_q, max_ctx = max(q_lens), max(ctx_lens)
     nblk = -(-max_ctx // block_size)
     if fused:
-        starts = [0]
-        for n in q_lens:
-            starts.append(starts[-1] + n)
+        starts = list(accumulate(q_lens, initial=0))
         return AttnGroup(
             num_tokens=starts[-1], key_slots=None, mask=None, q_index=None, out_index=None,
             batch=b, q_len=max_q, block_size=block_size,
