@@ -3,7 +3,7 @@
 At long contexts a decode step reads more KV than weights (SmolLM2-135M: 46 KB of
 fp32 K/V a token, so 16 streams x 2048 tokens read 1.5 GB of cache a step beside
 its 135 MB of int8 weights), so the cache's bytes set the speed. For each
-``--kv-cache-dtype`` (fp32, fp16 = CPU's auto, int8) the engine serves
+``--kv-cache-dtype`` (fp32, fp16, bf16, int8; CPU's auto is bf16 or fp16) the engine serves
 ``--streams`` requests of ``--context``-token random prompts; once every prompt is
 prefilled, the decode steps that follow are timed (all streams decoding, one
 token each). Printed: decode tok/s, its ratio to fp32's (measured in this run,
@@ -57,7 +57,7 @@ def main() -> None:
     # covers an 8B model's fp32 K/V (256 KiB).
     pool = 2**30 + a.streams * (a.context + a.tokens) * 2**19
     engines = {}
-    dtypes = [kv for kv in KV_CACHE_DTYPES if kv != "auto"]  # auto: fp16 on CPU
+    dtypes = [kv for kv in KV_CACHE_DTYPES if kv != "auto"]  # auto: one of them
     for kv in dtypes:
         kw = {"model": a.model} if a.model else {}
         engines[kv] = LLMEngine(kv_cache_dtype=kv, kv_cache_memory=pool,

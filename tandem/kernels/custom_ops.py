@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.config import cpu_flags
 from tandem.model.gguf import cache_root_dir
 
 logger = logging.getLogger(__name__)
@@ -35,14 +36,6 @@ SOURCE = CSRC / "cpu_ops.cpp"
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off",
          "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-std=c++17",
          "-shared", "-fPIC", "-w"]
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
 
 
 def _compile(dest: Path) -> None:
@@ -76,7 +69,7 @@ def _load() -> bool:
     sources = b"".join(f.read_bytes() for f in sorted(CSRC.glob("*.[ch]*")))
     key = hashlib.sha256(
         sources + torch.__version__.encode() + " ".join(FLAGS).encode()
-        + _cpu_flags().encode()
+        + " ".join(sorted(cpu_flags())).encode()
     ).hexdigest()[:16]
     lib = cache_root_dir() / "kernels" / f"cpu_ops-{key}.so"
     try:

@@ -5,11 +5,13 @@ Slots are ``block_id * block_size + offset``; dim 1 holds K (0) and V (1). A
 step writes all its new K/V with one indexed copy (``write``) and attention
 reads a sequence's context back through its slots (``gather``).
 
-The fp16 cache (llama.cpp's default f16, and tandem's on CPU) holds half an
-fp32 cache's bytes per token: on CPU, where the engine computes in fp32, twice
-the tokens fit in the same memory and decode attention reads half the bytes;
-attention converts what it reads to fp32 (the kernels with F16C, a load and
-one instruction per 16 values).
+The fp16 cache (llama.cpp's default f16, and tandem's on CPUs without
+AVX512_BF16) holds half an fp32 cache's bytes per token: on CPU, where the
+engine computes in fp32, twice the tokens fit in the same memory and decode
+attention reads half the bytes; attention converts what it reads to fp32 (the
+kernels with F16C, a load and one instruction per 16 values). The bf16 cache
+(tandem's on CPUs with AVX512_BF16) holds as many; attention rounds queries
+to bf16, as a bf16 model's are, and the kernels multiply bf16 pairs there.
 
 The int8 cache (like llama-server's ``--cache-type-k q8_0``) stores each
 token's K and V per head as int8 plus one fp32 scale (absmax / 127): 2 x heads

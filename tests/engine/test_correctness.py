@@ -6,6 +6,7 @@ by default it runs the file's own Q4_1 / Q8_0 blocks (tests/engine/test_gguf_for
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tandem import LLM, SamplingParams
 
@@ -104,3 +105,14 @@ def test_chat_applies_template(llm):
     assert out.outputs[0].text
     prompt = llm.get_tokenizer().decode(out.prompt_token_ids, skip_special_tokens=False)
     assert "<|im_start|>user" in prompt and prompt.rstrip().endswith("assistant")
+
+
+def test_bf16_cache_matches_hf(hf_greedy):
+    """A bf16 KV cache (queries rounded to bf16; on CPUs with AVX512_BF16 the
+    attention products are bf16, summed in fp32) keeps HF's greedy ids here."""
+    llm = LLM(kv_cache_memory="256MiB", quantization="none", kv_cache_dtype="bf16")
+    assert llm.engine.kv_caches[0].data.dtype == torch.bfloat16
+    prompts_ids = [ids_of(llm, p) for p in PROMPTS]
+    outs = llm.generate(prompts_ids, [SamplingParams(temperature=0, max_tokens=n)
+                                      for n in MAX_TOKENS])
+    check(outs, prompts_ids, MAX_TOKENS, hf_greedy)

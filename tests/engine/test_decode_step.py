@@ -18,8 +18,9 @@ class CheckedStep:
     """Runs LlamaModel.forward, then the decode step, on every decode batch and
     compares their logits (the step rewrites the same K/V slots)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, tol: float = 1e-4) -> None:
         self.runner, self.step = engine.runner, engine.runner.decode_step
+        self.tol = tol
         self.max_batch = self.step.max_batch
         self.batches: list[int] = []
         self.reqs: list = []
@@ -38,22 +39,24 @@ class CheckedStep:
         rows = torch.arange(len(reqs))
         want = self.runner.model.forward(input_ids, positions, self.runner.kv_caches, meta, rows)
         got, argmax = self.step(tokens, block_table)
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got, want, atol=self.tol, rtol=self.tol)
         assert argmax.tolist() == got.argmax(-1).tolist()
         self.batches.append(len(reqs))
         return got, argmax
 
 
 @pytest.mark.parametrize(("quantization", "kv_cache_dtype"),
-                         [("none", "fp32"), ("none", "auto"), ("none", "int8"), ("int8", "auto"),
-                          ("int4", "int8")])
+                         [("none", "fp32"), ("none", "auto"), ("none", "bf16"), ("none", "int8"),
+                          ("int8", "auto"), ("int4", "int8")])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_decode_step_matches_forward(arch, quantization, kv_cache_dtype, tmp_path):
     hf_model(arch, max_position_embeddings=1024).save_pretrained(tmp_path)
     engine = LLMEngine(EngineConfig(model=str(tmp_path), skip_tokenizer_init=True,
                                     kv_cache_memory="8MiB", kv_cache_dtype=kv_cache_dtype,
                                     quantization=quantization, max_num_batched_tokens=1024))
-    checked = CheckedStep(engine)
+    # A bf16 cache rounds queries to bf16: a last-bit difference between the two
+    # paths' fp32 queries (Qwen's bias, norms) can move one by 2^-8 of itself.
+    checked = CheckedStep(engine, tol=5e-3 if engine.kv_cache_dtype == "bf16" else 1e-4)
     assert checked.step is not None
     engine.runner.decode_step = checked
     # Seven sequences finishing one step apart: decode batches of 7 down to 1

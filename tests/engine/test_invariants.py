@@ -23,7 +23,7 @@ BLOCK = 4
 # Per token: 2 layers x K,V x 2 kv heads x head_dim 8 x 4 bytes (fp32) = 256 bytes,
 # x 2 bytes (fp16, auto's on CPU) = 128, or x (8 + 4-byte scale) bytes with the int8
 # cache = 96.
-BYTES_PER_TOKEN = {"fp32": 256, "auto": 128, "fp16": 128, "int8": 96}
+BYTES_PER_TOKEN = {"fp32": 256, "auto": 128, "fp16": 128, "bf16": 128, "int8": 96}
 
 
 def make_engine(tiny_config_path, num_blocks=64, kv_cache_dtype="auto", **kw) -> LLMEngine:
@@ -155,7 +155,7 @@ def test_abort_frees_blocks(tiny_config_path):
     prompt_cap=st.one_of(st.none(), st.integers(1, 16)),
     seed=st.integers(0, 1000),
     quantization=st.sampled_from(["none", "int8", "int4"]),
-    kv_cache_dtype=st.sampled_from(["auto", "fp32", "int8"]),
+    kv_cache_dtype=st.sampled_from(["auto", "fp32", "bf16", "int8"]),
 )
 def test_random_workloads_keep_invariants(
     tiny_config_path, num_blocks, budget, max_seqs, reqs, caching, prompt_cap, seed,

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tandem.config import resolve_kv_cache_dtype
 from tandem.entrypoints.cli import main
 from tandem.model.kv_cache import Fp16KVCache, Fp32KVCache, Int8KVCache
 from tandem.tools.plan import capacity as cap
@@ -38,9 +39,9 @@ def test_default_model_planned_equals_allocated(capsys):
                  "--json"])
     chk = json.loads(capsys.readouterr().out)["engine_check"]
     assert code == 0 and chk["ok"]
-    # SmolLM2-135M's cache in fp16 (CPU's auto): 2 x 30 layers x 3 KV heads x 64 x 2 B
+    # SmolLM2-135M's cache in 16 bits (CPU's auto): 2 x 30 layers x 3 KV heads x 64 x 2 B
     # = 23,040 B per token.
-    assert chk["kv_cache_dtype"] == "fp16"
+    assert chk["kv_cache_dtype"] == resolve_kv_cache_dtype("auto", "cpu", "fp32")
     assert chk["planned_kv_bytes_per_token"] == chk["engine_kv_bytes_per_token"] == 23_040
     assert chk["budget_bytes"] == 64 * 2**20 and chk["max_model_len"] == 1024
     assert chk["engine_cache_tokens"] == 64 * 2**20 // (23_040 * 16) * 16
@@ -105,6 +106,6 @@ def test_engine_check_refuses_what_it_cannot_start(capsys):
     assert main(["plan", "llama-3.1-8b", "--engine-check"]) == 2
     assert "is a preset" in capsys.readouterr().err
     assert main(["plan", "--engine-check", "--kv-cache-dtype", "fp8"]) == 2
-    assert "--kv-cache-dtype auto, fp32, fp16, int8, not 'fp8'" in capsys.readouterr().err
+    assert "--kv-cache-dtype auto, fp32, fp16, bf16, int8, not 'fp8'" in capsys.readouterr().err
     assert main(["plan", "llama-3.1-8b", "--device", "h100-sxm", "--kv-cache-memory", "1GiB"]) == 2
     assert "--kv-cache-memory goes with --engine-check" in capsys.readouterr().err

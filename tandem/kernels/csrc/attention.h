@@ -33,7 +33,8 @@ void qk_generic(const float* q, int64_t qs, const KV* rows, const float* sc, con
     for (int64_t g = 0; g < a.group; g++) {
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t i = 0; i < a.D; i++) dot += q[g * qs + i] * static_cast<float>(k[i]);
+      for (int64_t i = 0; i < a.D; i++)
+        dot += query_as<KV>(q[g * qs + i]) * static_cast<float>(k[i]);
       scores[g * a.bs + o] = dot * ks;
     }
   }
@@ -61,6 +62,10 @@ inline __m512 load16(const int8_t* p) {
 inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+inline __m512 load16(const at::BFloat16* p) {  // bf16 is fp32's top half: exact
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
 
 // G query heads x NC 16-float chunks held in registers across the block.
 template <typename KV, int G, int NC>
@@ -68,7 +73,15 @@ void qk_avx512(const float* q, int64_t qs, const KV* rows, const float* sc, cons
                float scale, float* scores) {
   __m512 qv[G][NC];
   for (int g = 0; g < G; g++)
-    for (int c = 0; c < NC; c++) qv[g][c] = _mm512_loadu_ps(q + g * qs + c * 16);
+    for (int c = 0; c < NC; c++) {
+      if constexpr (std::is_same_v<KV, at::BFloat16>) {  // query_as<KV>, 16 at a time
+        alignas(64) float r[16];
+        for (int i = 0; i < 16; i++) r[i] = query_as<KV>(q[g * qs + c * 16 + i]);
+        qv[g][c] = _mm512_load_ps(r);
+      } else {
+        qv[g][c] = _mm512_loadu_ps(q + g * qs + c * 16);
+      }
+    }
   for (int64_t o = 0; o < a.n; o++) {
     const KV* k = rows + o * a.row_stride;
     prefetch_row(k, a);
@@ -82,6 +95,33 @@ void qk_avx512(const float* q, int64_t qs, const KV* rows, const float* sc, cons
     for (int g = 0; g < G; g++) scores[g * a.bs + o] = _mm512_reduce_add_ps(acc[g]) * ks;
   }
 }
+
+#ifdef __AVX512BF16__
+// qk_avx512 for a bf16 cache: the queries rounded to bf16 (as a bf16 model's
+// are), two products per fp32 lane and instruction (VDPBF16PS), a key row used
+// as it lies (pairs of dims), summed in fp32.
+template <int G, int NC>
+void qk_bf16(const float* q, int64_t qs, const at::BFloat16* rows, const float* sc,
+             const BlockArgs& a, float scale, float* scores) {
+  static_assert(NC % 2 == 0, "32 dims a vector");
+  __m512bh qv[G][NC / 2];
+  for (int g = 0; g < G; g++)
+    for (int c = 0; c < NC / 2; c++)
+      qv[g][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + g * qs + c * 32 + 16),
+                                     _mm512_loadu_ps(q + g * qs + c * 32));
+  for (int64_t o = 0; o < a.n; o++) {
+    const at::BFloat16* k = rows + o * a.row_stride;
+    prefetch_row(k, a);
+    __m512 acc[G];
+    for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
+    for (int c = 0; c < NC / 2; c++) {
+      const __m512bh kc = reinterpret_cast<__m512bh>(_mm512_loadu_si512(k + c * 32));
+      for (int g = 0; g < G; g++) acc[g] = _mm512_dpbf16_ps(acc[g], qv[g][c], kc);
+    }
+    for (int g = 0; g < G; g++) scores[g * a.bs + o] = _mm512_reduce_add_ps(acc[g]) * scale;
+  }
+}
+#endif
 
 template <typename KV, int G, int NC>
 void pv_avx512(const float* probs, const KV* rows, const float* sc, const BlockArgs& a,
@@ -116,14 +156,22 @@ struct BlockKernels {
 template <typename KV, int NC>
 void pick_group(int64_t group, BlockKernels<KV>& k) {
   switch (group) {
+#ifdef __AVX512BF16__
+#define TANDEM_QK(G)                                                         \
+  if constexpr (std::is_same_v<KV, at::BFloat16>) k.qk = qk_bf16<G, NC>; \
+  else k.qk = qk_avx512<KV, G, NC>;
+#else
+#define TANDEM_QK(G) k.qk = qk_avx512<KV, G, NC>;
+#endif
 #define TANDEM_GROUP(G)          \
   case G:                        \
-    k.qk = qk_avx512<KV, G, NC>; \
+    TANDEM_QK(G)                 \
     k.pv = pv_avx512<KV, G, NC>; \
     return;
     TANDEM_GROUP(1) TANDEM_GROUP(2) TANDEM_GROUP(3) TANDEM_GROUP(4)
     TANDEM_GROUP(5) TANDEM_GROUP(6) TANDEM_GROUP(7) TANDEM_GROUP(8)
 #undef TANDEM_GROUP
+#undef TANDEM_QK
     default:
       return;
   }
@@ -281,6 +329,7 @@ struct DecodeAttention {
   int64_t total_ctx = 0;
   BlockKernels<float> kf;
   BlockKernels<at::Half> kh;
+  BlockKernels<at::BFloat16> kb;
   BlockKernels<int8_t> k8;
 
   // min_split_tokens: the shortest context range worth its own item (and its
@@ -289,6 +338,7 @@ struct DecodeAttention {
   void plan(int64_t threads, int64_t min_split_tokens = 256) {
     kf = pick_kernels<float>(group, D);
     kh = pick_kernels<at::Half>(group, D);
+    kb = pick_kernels<at::BFloat16>(group, D);
     k8 = pick_kernels<int8_t>(group, D);
     int64_t max_ctx = 1;
     total_ctx = 0;
@@ -339,6 +389,8 @@ struct DecodeAttention {
         return attend(kf, static_cast<const float*>(cache), nullptr);
       case KVKind::kHalf:
         return attend(kh, static_cast<const at::Half*>(cache), nullptr);
+      case KVKind::kBf16:
+        return attend(kb, static_cast<const at::BFloat16*>(cache), nullptr);
       case KVKind::kInt8:
         return attend(k8, static_cast<const int8_t*>(cache), kv_scale);
     }

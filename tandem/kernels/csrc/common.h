@@ -88,9 +88,31 @@ inline void to_half(const float* src, int64_t n, at::Half* dst) {
   for (; i < n; i++) dst[i] = at::Half(src[i]);
 }
 
-// A KV cache's element type: float or fp16 values, or int8 with an fp32 scale
-// per token and head.
-enum class KVKind { kFloat, kHalf, kInt8 };
+// Attention against a bf16 cache takes its queries rounded to bf16, as a bf16
+// model's are, on every path (the AVX512_BF16 kernels multiply bf16 pairs):
+// the query's value of type KV's, for a query element x.
+template <typename KV>
+inline float query_as(float x) {
+  if constexpr (std::is_same_v<KV, at::BFloat16>)
+    return static_cast<float>(at::BFloat16(x));
+  else
+    return x;
+}
+
+// src[0 .. n) rounded to bf16 (to nearest even, as torch's .bfloat16()).
+inline void to_bf16(const float* src, int64_t n, at::BFloat16* dst) {
+  int64_t i = 0;
+#ifdef __AVX512BF16__
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i))));
+#endif
+  for (; i < n; i++) dst[i] = at::BFloat16(src[i]);
+}
+
+// A KV cache's element type: float, fp16 or bf16 values, or int8 with an fp32
+// scale per token and head.
+enum class KVKind { kFloat, kHalf, kBf16, kInt8 };
 
 // Checks a layer's cache [S, 2, Hkv, D] (and int8's scales) and names its kind.
 inline KVKind kv_kind(const at::Tensor& cache, const std::optional<at::Tensor>& scale) {
@@ -102,9 +124,16 @@ inline KVKind kv_kind(const at::Tensor& cache, const std::optional<at::Tensor>& 
                 "cache scales must be contiguous float32");
     return KVKind::kInt8;
   }
-  TORCH_CHECK(cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kHalf,
-              "a cache without scales must be float32 or float16");
-  return cache.scalar_type() == at::kFloat ? KVKind::kFloat : KVKind::kHalf;
+  switch (cache.scalar_type()) {
+    case at::kFloat:
+      return KVKind::kFloat;
+    case at::kHalf:
+      return KVKind::kHalf;
+    case at::kBFloat16:
+      return KVKind::kBf16;
+    default:
+      TORCH_CHECK(false, "a cache without scales must be float32, float16 or bfloat16");
+  }
 }
 
 void check_float_rows(const at::Tensor& t, const char* name) {

@@ -56,7 +56,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // RoPE on one token's H query and Hkv key heads, in place (row x is its
 // [H + 2 Hkv, D] qkv; HF's rotate_half convention; cos/sin are tandem's
 // [P, D] tables, cos = [c, c], sin = [-s, s]), then its K and V heads into
-// cache slot `slot`: a dense cache [S, 2, Hkv, D] of float or fp16, or int8
+// cache slot `slot`: a dense cache [S, 2, Hkv, D] of float, fp16 or bf16, or int8
 // plus an fp32 scale per token and head [S, 2, Hkv, 1] (cache_s non-null).
 struct RopeAndCache {
   const float* cos;
@@ -64,6 +64,7 @@ struct RopeAndCache {
   int64_t num_heads, hkv, D;
   float* cache_f = nullptr;
   at::Half* cache_h = nullptr;
+  at::BFloat16* cache_b = nullptr;
   int8_t* cache_q = nullptr;
   float* cache_s = nullptr;
 
@@ -92,6 +93,10 @@ struct RopeAndCache {
       to_half(src, D, cache_h + at);
       return;
     }
+    if (cache_b) {
+      to_bf16(src, D, cache_b + at);
+      return;
+    }
     float amax = 0.f;
 #pragma omp simd reduction(max : amax)
     for (int64_t i = 0; i < D; i++) amax = std::max(amax, std::fabs(src[i]));
@@ -114,6 +119,7 @@ inline void bind_cache(RopeAndCache& r, const at::Tensor& cache,
   const KVKind kind = kv_kind(cache, cache_scale);
   r.cache_f = kind == KVKind::kFloat ? cache.data_ptr<float>() : nullptr;
   r.cache_h = kind == KVKind::kHalf ? cache.data_ptr<at::Half>() : nullptr;
+  r.cache_b = kind == KVKind::kBf16 ? cache.data_ptr<at::BFloat16>() : nullptr;
   r.cache_q = kind == KVKind::kInt8 ? cache.data_ptr<int8_t>() : nullptr;
   r.cache_s = kind == KVKind::kInt8 ? cache_scale->data_ptr<float>() : nullptr;
 }

@@ -8,7 +8,10 @@
 // Q4_0 model. 32 query / 8 KV heads of 64, fp16 cache, one 80-token chunk
 // (benchmarks/prefill_attention.py): 2.0x at a 2000-token context, 1.6x at
 // 4000; the whole 4000-token prefill 41.1-41.7 -> 33.2-34.1 s (its attention
-// 18.4-19.4 -> 12.2-12.5 s).
+// 18.4-19.4 -> 12.2-12.5 s). On a bf16 cache with AVX512_BF16 the products are
+// bf16 pairs (tile_block_bf16): 1.4-1.6x the fp16 cache's kernel at those
+// shapes (160-227 GFLOP/s, past the fp32 FMA peak), the 4000-token prefill
+// 32.4-34.0 -> 27.7-29.8 s.
 #pragma once
 
 #include "attention.h"
@@ -41,6 +44,37 @@ struct PrefillTile {
   int64_t rows, keys;
 };
 
+#ifdef __AVX512F__
+// The causal mask on a block's scores sc [n][16] (in blocks that reach past a
+// row's position) and the rows' new max; where a row's max grew, its sum and
+// outputs are rescaled. Returns the max, which t.m then holds.
+inline __m512 block_softmax(PrefillTile& t, int64_t n, int64_t k0, int64_t D, float* sc) {
+  const __m512i lim = _mm512_loadu_si512(t.limit);
+  const __m512 lowest = _mm512_set1_ps(-INFINITY);
+  const __m512 mold = _mm512_loadu_ps(t.m);
+  __m512 mv = mold;
+  const bool masked = k0 + n - 1 > t.limit[0];
+  for (int64_t o = 0; o < n; o++) {
+    __m512 s = _mm512_load_ps(sc + o * 16);
+    if (masked) {
+      const __mmask16 past =
+          _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(k0 + o)), lim);
+      s = _mm512_mask_mov_ps(s, past, lowest);
+      _mm512_store_ps(sc + o * 16, s);
+    }
+    mv = _mm512_max_ps(mv, s);
+  }
+  if (_mm512_cmp_ps_mask(mv, mold, _CMP_GT_OQ)) {
+    const __m512 alpha = exp_approx16(_mm512_sub_ps(mold, mv));
+    _mm512_storeu_ps(t.l, _mm512_mul_ps(_mm512_loadu_ps(t.l), alpha));
+    for (int64_t d = 0; d < D; d++)
+      _mm512_store_ps(t.ot + d * 16, _mm512_mul_ps(_mm512_load_ps(t.ot + d * 16), alpha));
+    _mm512_storeu_ps(t.m, mv);
+  }
+  return mv;
+}
+#endif
+
 // One block's n staged keys (kb, vb: [n][D] fp32, from key position k0) into
 // a tile; sc: [block][16] scratch.
 inline void tile_block(PrefillTile& t, const float* kb, const float* vb, int64_t n, int64_t k0,
@@ -67,30 +101,8 @@ inline void tile_block(PrefillTile& t, const float* kb, const float* vb, int64_t
         acc = _mm512_fmadd_ps(_mm512_load_ps(qt + d * 16), _mm512_set1_ps(kb[o * D + d]), acc);
       _mm512_store_ps(sc + o * 16, acc);
     }
-    // The causal mask (in blocks that reach past a row's position), the block max.
-    const __m512i lim = _mm512_loadu_si512(t.limit);
-    const __m512 lowest = _mm512_set1_ps(-INFINITY);
-    const __m512 mold = _mm512_loadu_ps(t.m);
-    __m512 mv = mold;
-    const bool masked = k0 + n - 1 > t.limit[0];
-    for (o = 0; o < n; o++) {
-      __m512 s = _mm512_load_ps(sc + o * 16);
-      if (masked) {
-        const __mmask16 past =
-            _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(k0 + o)), lim);
-        s = _mm512_mask_mov_ps(s, past, lowest);
-        _mm512_store_ps(sc + o * 16, s);
-      }
-      mv = _mm512_max_ps(mv, s);
-    }
+    const __m512 mv = block_softmax(t, n, k0, D, sc);
     __m512 lv = _mm512_loadu_ps(t.l);
-    if (_mm512_cmp_ps_mask(mv, mold, _CMP_GT_OQ)) {  // a row's max grew: rescale its sums
-      const __m512 alpha = exp_approx16(_mm512_sub_ps(mold, mv));
-      lv = _mm512_mul_ps(lv, alpha);
-      for (int64_t d = 0; d < D; d++)
-        _mm512_store_ps(ot + d * 16, _mm512_mul_ps(_mm512_load_ps(ot + d * 16), alpha));
-      _mm512_storeu_ps(t.m, mv);
-    }
     for (o = 0; o < n; o++) {
       const __m512 p = exp_approx16(_mm512_sub_ps(_mm512_load_ps(sc + o * 16), mv));
       _mm512_store_ps(sc + o * 16, p);
@@ -133,6 +145,94 @@ inline void tile_block(PrefillTile& t, const float* kb, const float* vb, int64_t
   }
 }
 
+#ifdef __AVX512BF16__
+// A bf16 cache multiplies in bf16 (VDPBF16PS: two products per fp32 lane and
+// instruction, summed in fp32): the queries are rounded to bf16 as a bf16
+// model's are, K and V are what the cache holds. A pair is two bf16 in one
+// 32-bit lane, the first in its low half.
+
+// Lane i of a and b -> lane i's pair (bf16(a[i]), bf16(b[i])).
+inline __m512i bf16_pairs(__m512 a, __m512 b) {
+  const __m512i ab = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));  // a0..a15 b0..b15
+  const __m512i interleave = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(interleave, ab);
+}
+
+inline __m512bh pairs_at(const uint32_t* p) {
+  return reinterpret_cast<__m512bh>(_mm512_load_si512(p));
+}
+inline __m512bh pair_everywhere(uint32_t pair) {
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+}
+
+// A block's keys and values as tile_block_bf16 reads them: kp [bs][D / 2]
+// pairs of a key's dims (a cache row as it lies), vp [(bs + 1) / 2][D] pairs
+// of two keys' values for one dim (the second 0 past the block's n keys).
+inline void stage_bf16_block(const at::BFloat16* cache, int64_t base, int64_t n,
+                             int64_t slot_stride, int64_t v_offset, int64_t D, uint32_t* kp,
+                             uint32_t* vp) {
+  for (int64_t o = 0; o < n; o++)
+    std::memcpy(kp + o * D / 2, cache + (base + o) * slot_stride, D * sizeof(at::BFloat16));
+  for (int64_t o = 0; o < n; o += 2) {
+    const at::BFloat16* a = cache + (base + o) * slot_stride + v_offset;
+    const at::BFloat16* b = a + slot_stride;
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_store_si512(vp + o / 2 * D + d,
+                         bf16_pairs(load16(a + d), o + 1 < n ? load16(b + d) : _mm512_setzero_ps()));
+  }
+}
+
+// tile_block in bf16 products: qp [D / 2][16] pairs of the rows' (scaled)
+// query dims; pp [(bs + 1) / 2][16] scratch for pairs of probabilities.
+inline void tile_block_bf16(PrefillTile& t, const uint32_t* qp, const uint32_t* kp,
+                            const uint32_t* vp, int64_t n, int64_t k0, int64_t D, float* sc,
+                            uint32_t* pp) {
+  const int64_t D2 = D / 2;
+  int64_t o = 0;
+  for (; o + 8 <= n; o += 8) {  // 8 independent chains, as tile_block's
+    __m512 acc[8];
+    for (int k = 0; k < 8; k++) acc[k] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D2; d++) {
+      const __m512bh qd = pairs_at(qp + d * 16);
+      for (int k = 0; k < 8; k++)
+        acc[k] = _mm512_dpbf16_ps(acc[k], qd, pair_everywhere(kp[(o + k) * D2 + d]));
+    }
+    for (int k = 0; k < 8; k++) _mm512_store_ps(sc + (o + k) * 16, acc[k]);
+  }
+  for (; o < n; o++) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D2; d++)
+      acc = _mm512_dpbf16_ps(acc, pairs_at(qp + d * 16), pair_everywhere(kp[o * D2 + d]));
+    _mm512_store_ps(sc + o * 16, acc);
+  }
+  const __m512 mv = block_softmax(t, n, k0, D, sc);
+  // Probabilities of keys 2i and 2i + 1 paired, then O^T[d] += both at once.
+  __m512 lv = _mm512_loadu_ps(t.l);
+  for (int64_t i = 0; i < (n + 1) / 2; i++) {
+    const __m512 pa = exp_approx16(_mm512_sub_ps(_mm512_load_ps(sc + 2 * i * 16), mv));
+    const __m512 pb = 2 * i + 1 < n
+                          ? exp_approx16(_mm512_sub_ps(_mm512_load_ps(sc + (2 * i + 1) * 16), mv))
+                          : _mm512_setzero_ps();
+    lv = _mm512_add_ps(lv, _mm512_add_ps(pa, pb));
+    _mm512_store_si512(pp + i * 16, bf16_pairs(pa, pb));
+  }
+  _mm512_storeu_ps(t.l, lv);
+  float* ot = t.ot;
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_load_ps(ot + (d0 + i) * 16);
+    for (int64_t i2 = 0; i2 < (n + 1) / 2; i2++) {
+      const __m512bh p = pairs_at(pp + i2 * 16);
+      const uint32_t* v = vp + i2 * D + d0;
+      for (int i = 0; i < 16; i++) acc[i] = _mm512_dpbf16_ps(acc[i], p, pair_everywhere(v[i]));
+    }
+    for (int i = 0; i < 16; i++) _mm512_store_ps(ot + (d0 + i) * 16, acc[i]);
+  }
+}
+#endif
+
 // A work item: consecutive tiles of one sequence's KV head (query heads
 // [g0, g0 + gn)), tokens [j0, j0 + tokens). Its tiles share each block's K and
 // V rows, read and widened to fp32 once: at a 2000-token context, one tile per
@@ -151,14 +251,28 @@ void prefill_item(const PrefillItem& it, const float* q, int64_t qs0, int64_t qs
                   float* out, std::vector<float>& buf) {
   const int64_t per_tile = 16 / it.gn, ntiles = (it.tokens + per_tile - 1) / per_tile;
   const int64_t slot_stride = 2 * hkv * D;
-  // Q^T and O^T per tile [D][16], the block's K and V [bs][D], scores [bs][16];
-  // 64-byte aligned (each part a multiple of 16 floats where vectors load it).
-  buf.assign(ntiles * D * 32 + block_size * (2 * D + 16) + 16, 0.f);
+#ifdef __AVX512BF16__
+  const bool bf16 = std::is_same_v<KV, at::BFloat16> && D % 32 == 0;
+#else
+  const bool bf16 = false;
+#endif
+  // Q^T and O^T per tile [D][16], the block's K and V [bs][D] (bf16: Q^T's
+  // pairs per tile [D / 2][16], K's [bs][D / 2] and V's [bs / 2][D] pairs),
+  // scores [bs][16] (bf16: and pairs of probabilities [bs / 2][16]); 64-byte
+  // aligned (each part a multiple of 16 floats where vectors load it).
+  const int64_t half_bs = (block_size + 1) / 2;
+  const int64_t staged = bf16 ? ntiles * D * 8 + block_size * D / 2 + half_bs * (D + 16)
+                              : 2 * block_size * D;
+  buf.assign(ntiles * D * 32 + staged + block_size * 16 + 16, 0.f);
   float* base_ptr = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) &
                                              ~static_cast<uintptr_t>(63));
   float* kb = base_ptr + ntiles * D * 32;
   float* vb = kb + block_size * D;
-  float* sc = vb + block_size * D;
+  float* sc = kb + staged;
+  uint32_t* qp = reinterpret_cast<uint32_t*>(kb);  // bf16's parts, over kb and vb
+  uint32_t* kp = qp + ntiles * D * 8;
+  uint32_t* vp = kp + block_size * D / 2;
+  uint32_t* pp = vp + half_bs * D;
   PrefillTile tiles[kPrefillTiles];
   int64_t keys = 0;
   for (int64_t k = 0; k < ntiles; k++) {
@@ -173,14 +287,33 @@ void prefill_item(const PrefillItem& it, const float* q, int64_t qs0, int64_t qs
       const int64_t h = it.kvh * G + it.g0 + r % it.gn;
       t.limit[i] = static_cast<int32_t>(ctx - qlen + j);
       if (i < t.rows)
-        for (int64_t d = 0; d < D; d++) t.qt[d * 16 + i] = q[(q0 + j) * qs0 + h * qs1 + d] * scale;
+        for (int64_t d = 0; d < D; d++)
+          t.qt[d * 16 + i] = query_as<KV>(q[(q0 + j) * qs0 + h * qs1 + d]) * scale;
     }
     t.keys = t.limit[t.rows - 1] + 1;  // a tile's last row sees the most
     keys = std::max(keys, t.keys);
+#ifdef __AVX512BF16__
+    if (bf16)
+      for (int64_t d = 0; d < D; d += 2)
+        _mm512_store_si512(qp + (k * D + d) * 8, bf16_pairs(_mm512_load_ps(t.qt + d * 16),
+                                                            _mm512_load_ps(t.qt + (d + 1) * 16)));
+#endif
   }
   for (int64_t k0 = 0; k0 < keys; k0 += block_size) {
     const int64_t n = std::min(block_size, keys - k0);
     const int64_t base = static_cast<int64_t>(table[k0 / block_size]) * block_size;
+#ifdef __AVX512BF16__
+    if constexpr (std::is_same_v<KV, at::BFloat16>) {
+      if (bf16) {
+        stage_bf16_block(cache + it.kvh * D, base, n, slot_stride, hkv * D, D, kp, vp);
+        for (int64_t k = 0; k < ntiles; k++)
+          if (k0 < tiles[k].keys)
+            tile_block_bf16(tiles[k], qp + k * D * 8, kp, vp, std::min(n, tiles[k].keys - k0),
+                            k0, D, sc, pp);
+        continue;
+      }
+    }
+#endif
     for (int64_t o = 0; o < n; o++) {  // the block's K and V rows in fp32
       const KV* row = cache + (base + o) * slot_stride + it.kvh * D;
       const float* s = kv_scale ? kv_scale + (base + o) * 2 * hkv + it.kvh : nullptr;
@@ -272,6 +405,9 @@ at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& cache,
           break;
         case KVKind::kHalf:
           run(static_cast<const at::Half*>(cache.data_ptr()));
+          break;
+        case KVKind::kBf16:
+          run(static_cast<const at::BFloat16*>(cache.data_ptr()));
           break;
         case KVKind::kInt8:
           run(static_cast<const int8_t*>(cache.data_ptr()));
