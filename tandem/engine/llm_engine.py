@@ -65,14 +65,16 @@ class LLMEngine:
         self.dtype = _DTYPES[resolve_dtype(config.dtype, self.device.type)]
         files = resolve_model(config.model, config.load_format)
         self.model_dir = files.dir
+        # The tokenizer before the weights: a directory without one is an error
+        # in a second, not after an 8B model's load (~2 min).
+        self.tokenizer: Tokenizer | None = None
+        if not config.skip_tokenizer_init:
+            self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.model = load_model(
             files, config.load_format, self.dtype, self.device, config.seed,
             config.quantization,
         )
         self.model_config = self.model.cfg
-        self.tokenizer: Tokenizer | None = None
-        if not config.skip_tokenizer_init:
-            self.tokenizer = Tokenizer.from_dir(self.model_dir)
         eos = self.tokenizer.eos_token_id if self.tokenizer else self.model_config.eos_token_id
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
         # Every end-of-generation id (generation_config's list, e.g. <|im_end|> and

@@ -52,6 +52,24 @@ def test_corrupt_gguf(tmp_path):
         LLM(model=str(bad))
 
 
+def test_missing_tokenizer_fails_before_the_weights_load(tmp_path, monkeypatch):
+    import json
+
+    from tandem.engine import llm_engine
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 256, "max_position_embeddings": 128}))
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the tokenizer was found")
+
+    monkeypatch.setattr(llm_engine, "load_model", no_load)
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        LLM(model=str(tmp_path / "config.json"), load_format="dummy")
+
+
 def test_engine_flags_validated():
     with pytest.raises(ValueError, match="max-num-seqs"):
         LLM(max_num_seqs=0)
