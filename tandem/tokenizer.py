@@ -37,10 +37,14 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> Tokenizer:
-        """Load tokenizer files (and generation_config.json's eos ids, if any) from ``path``."""
+        """Load tokenizer files (and generation_config.json's eos ids, if any) from
+        ``path``: a model directory, or a config.json in one (--load-format dummy)."""
         path = Path(path)
+        if path.is_file():
+            path = path.parent
         if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-            raise ValueError(f"{path} has no tokenizer.json or tokenizer_config.json")
+            raise ValueError(f"{path} has no tokenizer.json or tokenizer_config.json (the "
+                             "model's tokenizer files belong beside its config.json)")
         # A tokenizer without a model-specific class (what transformers writes for a
         # GGUF's vocabulary) loads as that class directly. AutoTokenizer first looks
         # through transformers' model modules: the default model's took 1.51 s that

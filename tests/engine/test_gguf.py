@@ -262,6 +262,13 @@ def test_tokenizer_from_dir_without_files(tmp_path):
         Tokenizer.from_dir(tmp_path)
 
 
+def test_tokenizer_beside_a_config_json(smollm):
+    """--load-format dummy --model path/config.json: the tokenizer in that directory."""
+    _, out, _ = smollm
+    assert Tokenizer.from_dir(out / "config.json").encode("Hello") == \
+        Tokenizer.from_dir(out).encode("Hello")
+
+
 # ------------------------------------------------------------- tiny synthetic GGUFs
 
 _TEMPLATE = (
