@@ -145,7 +145,7 @@ inline void tile_block(PrefillTile& t, const float* kb, const float* vb, int64_t
   }
 }
 
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // A bf16 cache multiplies in bf16 (VDPBF16PS: two products per fp32 lane and
 // instruction, summed in fp32): the queries are rounded to bf16 as a bf16
 // model's are, K and V are what the cache holds. A pair is two bf16 in one
@@ -167,28 +167,37 @@ inline __m512bh pair_everywhere(uint32_t pair) {
   return reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
 }
 
-// A block's keys and values as tile_block_bf16 reads them: kp [bs][D / 2]
-// pairs of a key's dims (a cache row as it lies), vp [(bs + 1) / 2][D] pairs
-// of two keys' values for one dim (the second 0 past the block's n keys).
-inline void stage_bf16_block(const at::BFloat16* cache, int64_t base, int64_t n,
-                             int64_t slot_stride, int64_t v_offset, int64_t D, uint32_t* kp,
-                             uint32_t* vp) {
-  for (int64_t o = 0; o < n; o++)
-    std::memcpy(kp + o * D / 2, cache + (base + o) * slot_stride, D * sizeof(at::BFloat16));
+// A block's values as tile_block_bf16 reads them, from its rows v (slot_stride
+// apart): vp [(bs + 1) / 2][D] pairs of two keys' values for one dim (the
+// second 0 past the block's n keys). Its keys are read where they lie: a cache
+// row is pairs of a key's dims already (staging them in a copy cost 8% of the
+// kernel's time).
+inline void stage_bf16_values(const at::BFloat16* v, int64_t n, int64_t slot_stride, int64_t D,
+                              uint32_t* vp) {
+  // qwords 0-7 (4 values each) as 0 4 1 5 2 6 3 7: an unpack of two rows
+  // then pairs values 0-15 in order (lo) or 16-31 (hi), 3 instructions for 32
+  // pairs (widening to fp32 and bf16_pairs: 6 for 16).
+  const __m512i order = _mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0);
   for (int64_t o = 0; o < n; o += 2) {
-    const at::BFloat16* a = cache + (base + o) * slot_stride + v_offset;
+    const at::BFloat16* a = v + o * slot_stride;
     const at::BFloat16* b = a + slot_stride;
-    for (int64_t d = 0; d < D; d += 16)
-      _mm512_store_si512(vp + o / 2 * D + d,
-                         bf16_pairs(load16(a + d), o + 1 < n ? load16(b + d) : _mm512_setzero_ps()));
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512i x = _mm512_permutexvar_epi64(order, _mm512_loadu_si512(a + d));
+      const __m512i y = o + 1 < n ? _mm512_permutexvar_epi64(order, _mm512_loadu_si512(b + d))
+                                  : _mm512_setzero_si512();
+      _mm512_store_si512(vp + o / 2 * D + d, _mm512_unpacklo_epi16(x, y));
+      _mm512_store_si512(vp + o / 2 * D + d + 16, _mm512_unpackhi_epi16(x, y));
+    }
   }
 }
 
 // tile_block in bf16 products: qp [D / 2][16] pairs of the rows' (scaled)
-// query dims; pp [(bs + 1) / 2][16] scratch for pairs of probabilities.
+// query dims, kp a key's pairs of dims (keys k_stride pairs apart), vp as
+// stage_bf16_values leaves them; pp [(bs + 1) / 2][16] scratch for pairs of
+// probabilities.
 inline void tile_block_bf16(PrefillTile& t, const uint32_t* qp, const uint32_t* kp,
-                            const uint32_t* vp, int64_t n, int64_t k0, int64_t D, float* sc,
-                            uint32_t* pp) {
+                            int64_t k_stride, const uint32_t* vp, int64_t n, int64_t k0,
+                            int64_t D, float* sc, uint32_t* pp) {
   const int64_t D2 = D / 2;
   int64_t o = 0;
   for (; o + 8 <= n; o += 8) {  // 8 independent chains, as tile_block's
@@ -197,14 +206,14 @@ inline void tile_block_bf16(PrefillTile& t, const uint32_t* qp, const uint32_t* 
     for (int64_t d = 0; d < D2; d++) {
       const __m512bh qd = pairs_at(qp + d * 16);
       for (int k = 0; k < 8; k++)
-        acc[k] = _mm512_dpbf16_ps(acc[k], qd, pair_everywhere(kp[(o + k) * D2 + d]));
+        acc[k] = _mm512_dpbf16_ps(acc[k], qd, pair_everywhere(kp[(o + k) * k_stride + d]));
     }
     for (int k = 0; k < 8; k++) _mm512_store_ps(sc + (o + k) * 16, acc[k]);
   }
   for (; o < n; o++) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t d = 0; d < D2; d++)
-      acc = _mm512_dpbf16_ps(acc, pairs_at(qp + d * 16), pair_everywhere(kp[o * D2 + d]));
+      acc = _mm512_dpbf16_ps(acc, pairs_at(qp + d * 16), pair_everywhere(kp[o * k_stride + d]));
     _mm512_store_ps(sc + o * 16, acc);
   }
   const __m512 mv = block_softmax(t, n, k0, D, sc);
@@ -251,18 +260,17 @@ void prefill_item(const PrefillItem& it, const float* q, int64_t qs0, int64_t qs
                   float* out, std::vector<float>& buf) {
   const int64_t per_tile = 16 / it.gn, ntiles = (it.tokens + per_tile - 1) / per_tile;
   const int64_t slot_stride = 2 * hkv * D;
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
   const bool bf16 = std::is_same_v<KV, at::BFloat16> && D % 32 == 0;
 #else
   const bool bf16 = false;
 #endif
   // Q^T and O^T per tile [D][16], the block's K and V [bs][D] (bf16: Q^T's
-  // pairs per tile [D / 2][16], K's [bs][D / 2] and V's [bs / 2][D] pairs),
+  // pairs per tile [D / 2][16] and V's [bs / 2][D] pairs),
   // scores [bs][16] (bf16: and pairs of probabilities [bs / 2][16]); 64-byte
   // aligned (each part a multiple of 16 floats where vectors load it).
   const int64_t half_bs = (block_size + 1) / 2;
-  const int64_t staged = bf16 ? ntiles * D * 8 + block_size * D / 2 + half_bs * (D + 16)
-                              : 2 * block_size * D;
+  const int64_t staged = bf16 ? ntiles * D * 8 + half_bs * (D + 16) : 2 * block_size * D;
   buf.assign(ntiles * D * 32 + staged + block_size * 16 + 16, 0.f);
   float* base_ptr = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) &
                                              ~static_cast<uintptr_t>(63));
@@ -270,8 +278,7 @@ void prefill_item(const PrefillItem& it, const float* q, int64_t qs0, int64_t qs
   float* vb = kb + block_size * D;
   float* sc = kb + staged;
   uint32_t* qp = reinterpret_cast<uint32_t*>(kb);  // bf16's parts, over kb and vb
-  uint32_t* kp = qp + ntiles * D * 8;
-  uint32_t* vp = kp + block_size * D / 2;
+  uint32_t* vp = qp + ntiles * D * 8;
   uint32_t* pp = vp + half_bs * D;
   PrefillTile tiles[kPrefillTiles];
   int64_t keys = 0;
@@ -292,7 +299,7 @@ void prefill_item(const PrefillItem& it, const float* q, int64_t qs0, int64_t qs
     }
     t.keys = t.limit[t.rows - 1] + 1;  // a tile's last row sees the most
     keys = std::max(keys, t.keys);
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if (bf16)
       for (int64_t d = 0; d < D; d += 2)
         _mm512_store_si512(qp + (k * D + d) * 8, bf16_pairs(_mm512_load_ps(t.qt + d * 16),
@@ -302,14 +309,15 @@ void prefill_item(const PrefillItem& it, const float* q, int64_t qs0, int64_t qs
   for (int64_t k0 = 0; k0 < keys; k0 += block_size) {
     const int64_t n = std::min(block_size, keys - k0);
     const int64_t base = static_cast<int64_t>(table[k0 / block_size]) * block_size;
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if constexpr (std::is_same_v<KV, at::BFloat16>) {
       if (bf16) {
-        stage_bf16_block(cache + it.kvh * D, base, n, slot_stride, hkv * D, D, kp, vp);
+        const at::BFloat16* rows = cache + base * slot_stride + it.kvh * D;
+        stage_bf16_values(rows + hkv * D, n, slot_stride, D, vp);
         for (int64_t k = 0; k < ntiles; k++)
           if (k0 < tiles[k].keys)
-            tile_block_bf16(tiles[k], qp + k * D * 8, kp, vp, std::min(n, tiles[k].keys - k0),
-                            k0, D, sc, pp);
+            tile_block_bf16(tiles[k], qp + k * D * 8, reinterpret_cast<const uint32_t*>(rows),
+                            slot_stride / 2, vp, std::min(n, tiles[k].keys - k0), k0, D, sc, pp);
         continue;
       }
     }
