@@ -381,9 +381,13 @@ class LLMEngine:
         thread only (AsyncEngine.call)."""
         bs = self.config.block_size
         mine = [t for c in self.kv_caches[:1] for t in _cache_tensors(c)]
+        # Float K/V convert (auto is bf16 or fp16 by each CPU's features, so a
+        # prefill and a decode replica on different CPUs hold different ones).
         if kv.block_size != bs or len(kv.tensors) != len(mine) or any(
                 src.shape[0] != len(self.kv_caches) or src.shape[2:] != t.shape[1:]
-                or src.dtype != t.dtype for src, t in zip(kv.tensors, mine)):
+                or (src.dtype != t.dtype
+                    and not (src.is_floating_point() and t.is_floating_point()))
+                for src, t in zip(kv.tensors, mine)):
             raise ValueError("the exported KV blocks do not fit this engine's cache "
                              "(another model, block size or KV dtype)")
         held, fresh = self.kv_manager.import_prefix(kv.token_ids)
@@ -392,7 +396,7 @@ class LLMEngine:
             rows = self._slots(fresh).to(torch.device("cpu"))
             for layer, cache in enumerate(self.kv_caches):
                 for t, src in zip(_cache_tensors(cache), kv.tensors):
-                    t.index_copy_(0, slots, src[layer].index_select(0, rows).to(t.device))
+                    t.index_copy_(0, slots, src[layer].index_select(0, rows).to(t.device, t.dtype))
         self.kv_manager.release([b.block_id for b in held])
         return len(held) * bs
 

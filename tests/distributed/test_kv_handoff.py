@@ -84,6 +84,27 @@ def test_handoff_decodes_what_one_engine_decodes(engines):
     assert a.kv_manager.num_free_blocks == a.kv_manager.num_blocks  # nothing left held
 
 
+def test_import_converts_16_bit_kv_and_refuses_int8():
+    """auto is bf16 or fp16 by each CPU's features: a prefill replica's fp16 K/V
+    go into a bf16 pool rounded once; int8 K/V (with scales) do not fit a float pool."""
+    kw = dict(kv_cache_memory="32MiB", max_num_batched_tokens=16, num_threads=1,
+              quantization="none")
+    fp16, bf16, q8 = (LLMEngine(kv_cache_dtype=d, **kw) for d in ("fp16", "bf16", "int8"))
+    ids = fp16.tokenizer.encode("The history of the printing press begins " * 3)
+    _run(fp16, fp16.make_request(ids, SamplingParams(temperature=0, max_tokens=1), "p"))
+    kv = fp16.export_kv(ids)
+    assert kv.tensors[0].dtype == torch.float16
+    assert bf16.import_kv(kv) == len(kv.token_ids)
+    back = bf16.export_kv(ids)
+    assert back.tensors[0].dtype == torch.bfloat16
+    assert torch.equal(back.tensors[0], kv.tensors[0].to(torch.bfloat16))
+    with pytest.raises(ValueError, match="do not fit"):
+        q8.import_kv(kv)
+    _run(q8, q8.make_request(ids, SamplingParams(temperature=0, max_tokens=1), "q"))
+    with pytest.raises(ValueError, match="do not fit"):
+        fp16.import_kv(q8.export_kv(ids))
+
+
 def test_import_refuses_kv_of_another_model(engines, tiny_config_path):
     a, _ = engines
     tiny = LLMEngine(model=tiny_config_path, load_format="dummy", skip_tokenizer_init=True,

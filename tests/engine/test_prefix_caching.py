@@ -11,8 +11,10 @@ from tandem import LLM, SamplingParams
 BLOCK = 16
 # Exact equality with and without caching needs the fp32 model: with the GGUF's
 # own int4 (W4A8), a prefix computed in another chunk can move an activation
-# across a rounding edge and flip a near-tie.
+# across a rounding edge and flip a near-tie. The same for queries rounded to
+# bf16 (a bf16 cache, the CPU default with AVX512_BF16): the fp16 cache.
 FP32 = "none"
+KV = "fp16"
 BYTES_PER_BLOCK = 2 * 30 * 3 * 64 * 2 * BLOCK  # K+V x layers x kv heads x head_dim x fp16
 
 SYSTEM = (
@@ -110,12 +112,13 @@ class Counters:
 
 @pytest.fixture(scope="module")
 def llm_on():
-    return LLM(kv_cache_memory="256MiB", quantization=FP32)
+    return LLM(kv_cache_memory="256MiB", quantization=FP32, kv_cache_dtype=KV)
 
 
 @pytest.fixture(scope="module")
 def llm_off():
-    return LLM(kv_cache_memory="256MiB", enable_prefix_caching=False, quantization=FP32)
+    return LLM(kv_cache_memory="256MiB", enable_prefix_caching=False, quantization=FP32,
+               kv_cache_dtype=KV)
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +157,8 @@ def test_chunked_prefill_with_caching(system_prompts, system_reference):
     # edges inside blocks, and the second request is admitted in the step that
     # computes the last system blocks it hits (same forward: written, then read).
     budget = 43
-    llm = LLM(kv_cache_memory="64MiB", max_num_batched_tokens=budget, quantization=FP32)
+    llm = LLM(kv_cache_memory="64MiB", max_num_batched_tokens=budget, quantization=FP32,
+              kv_cache_dtype=KV)
     prompts = system_prompts[:6]
     n_system = lcp(prompts[0], prompts[1]) // BLOCK * BLOCK
     last_chunk = (len(prompts[0]) - 1) // budget * budget
@@ -223,7 +227,7 @@ def test_eviction_when_the_working_set_exceeds_the_pool():
     # leave nothing of it; evicting the tail of a chain first keeps its head.
     nb = 24
     kw = dict(kv_cache_memory=nb * BYTES_PER_BLOCK, max_model_len=nb * BLOCK,
-              quantization=FP32)
+              quantization=FP32, kv_cache_dtype=KV)
     llm = LLM(**kw)
     ref = LLM(**kw, enable_prefix_caching=False)
     kv = llm.engine.kv_manager
@@ -274,7 +278,7 @@ def test_preempted_request_hits_its_own_blocks():
     # when re-admitted.
     nb = 10
     kw = dict(kv_cache_memory=nb * BYTES_PER_BLOCK, max_model_len=nb * BLOCK,
-              quantization=FP32)
+              quantization=FP32, kv_cache_dtype=KV)
     llm = LLM(**kw)
     ref = LLM(**kw, enable_prefix_caching=False)
     tok = llm.get_tokenizer()

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tandem.config import cpu_flags
 from tandem.kernels import custom_ops
 from tandem.model.attention import AttentionMetadata, build_group, paged_attention
 from tandem.model.kv_cache import Bf16KVCache, Fp16KVCache, Fp32KVCache, Int8KVCache
@@ -129,10 +130,12 @@ def test_paged_attention_prefill_matches_gather_and_sdpa(cache_cls, h, hkv, d, c
                         fused=fused)
         qf = q if fused else query_as(q, cache_cls)
         out[fused] = paged_attention(qf, cache, AttentionMetadata(None, None, g), d**-0.5)
-    if cache_cls is Bf16KVCache:
-        # With AVX512_BF16 (head sizes a multiple of 32) the probabilities are
-        # rounded to bf16 too (2^-9 relative): outputs of magnitude ~1 err by
-        # ~2e-3 on average here; a wrong pairing of dims or keys errs by O(1).
+    if (cache_cls is Bf16KVCache and d % 32 == 0
+            and {"avx512_bf16", "avx512bw"} <= cpu_flags()):
+        # The bf16 tiles round the probabilities to bf16 too (2^-9 relative):
+        # outputs of magnitude ~1 err by ~2e-3 on average here; a wrong pairing
+        # of dims or keys errs by O(1). Elsewhere a bf16 cache is as exact as
+        # the others (queries rounded on both sides).
         err = (out[True] - out[False]).abs()
         assert err.max() < 0.1 and err.mean() < 5e-3, (err.max(), err.mean())
     else:

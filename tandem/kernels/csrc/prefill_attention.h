@@ -37,7 +37,7 @@ inline void widen_row(const KV* src, float s, int64_t D, float* dst) {
 // d-th value), the online softmax's max and sum need no horizontal reduction,
 // and the output accumulates transposed, O^T[d] += P[key] * V[key][d].
 struct PrefillTile {
-  float* qt;  // [D][16] the rows' queries, transposed and scaled
+  float* qt;  // [D][16] the rows' queries, transposed and scaled (bf16 tiles: unscaled)
   float* ot;  // [D][16] their un-normalized outputs, transposed
   float m[16], l[16];
   int32_t limit[16];  // the last key position each row sees (padding lanes: the last row's)
@@ -191,13 +191,15 @@ inline void stage_bf16_values(const at::BFloat16* v, int64_t n, int64_t slot_str
   }
 }
 
-// tile_block in bf16 products: qp [D / 2][16] pairs of the rows' (scaled)
-// query dims, kp a key's pairs of dims (keys k_stride pairs apart), vp as
-// stage_bf16_values leaves them; pp [(bs + 1) / 2][16] scratch for pairs of
-// probabilities.
+// tile_block in bf16 products: qp [D / 2][16] pairs of the rows' query dims
+// (unscaled: the scores take the scale, so a query is rounded once, as
+// decode's qk_bf16 rounds it), kp a key's pairs of dims (keys k_stride pairs
+// apart), vp as stage_bf16_values leaves them; pp [(bs + 1) / 2][16] scratch
+// for pairs of probabilities.
 inline void tile_block_bf16(PrefillTile& t, const uint32_t* qp, const uint32_t* kp,
                             int64_t k_stride, const uint32_t* vp, int64_t n, int64_t k0,
-                            int64_t D, float* sc, uint32_t* pp) {
+                            int64_t D, float scale, float* sc, uint32_t* pp) {
+  const __m512 sv = _mm512_set1_ps(scale);
   const int64_t D2 = D / 2;
   int64_t o = 0;
   for (; o + 8 <= n; o += 8) {  // 8 independent chains, as tile_block's
@@ -208,13 +210,13 @@ inline void tile_block_bf16(PrefillTile& t, const uint32_t* qp, const uint32_t* 
       for (int k = 0; k < 8; k++)
         acc[k] = _mm512_dpbf16_ps(acc[k], qd, pair_everywhere(kp[(o + k) * k_stride + d]));
     }
-    for (int k = 0; k < 8; k++) _mm512_store_ps(sc + (o + k) * 16, acc[k]);
+    for (int k = 0; k < 8; k++) _mm512_store_ps(sc + (o + k) * 16, _mm512_mul_ps(acc[k], sv));
   }
   for (; o < n; o++) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t d = 0; d < D2; d++)
       acc = _mm512_dpbf16_ps(acc, pairs_at(qp + d * 16), pair_everywhere(kp[o * k_stride + d]));
-    _mm512_store_ps(sc + o * 16, acc);
+    _mm512_store_ps(sc + o * 16, _mm512_mul_ps(acc, sv));
   }
   const __m512 mv = block_softmax(t, n, k0, D, sc);
   // Probabilities of keys 2i and 2i + 1 paired, then O^T[d] += both at once.
@@ -295,7 +297,7 @@ void prefill_item(const PrefillItem& it, const float* q, int64_t qs0, int64_t qs
       t.limit[i] = static_cast<int32_t>(ctx - qlen + j);
       if (i < t.rows)
         for (int64_t d = 0; d < D; d++)
-          t.qt[d * 16 + i] = query_as<KV>(q[(q0 + j) * qs0 + h * qs1 + d]) * scale;
+          t.qt[d * 16 + i] = query_as<KV>(q[(q0 + j) * qs0 + h * qs1 + d]) * (bf16 ? 1.f : scale);
     }
     t.keys = t.limit[t.rows - 1] + 1;  // a tile's last row sees the most
     keys = std::max(keys, t.keys);
@@ -317,7 +319,8 @@ void prefill_item(const PrefillItem& it, const float* q, int64_t qs0, int64_t qs
         for (int64_t k = 0; k < ntiles; k++)
           if (k0 < tiles[k].keys)
             tile_block_bf16(tiles[k], qp + k * D * 8, reinterpret_cast<const uint32_t*>(rows),
-                            slot_stride / 2, vp, std::min(n, tiles[k].keys - k0), k0, D, sc, pp);
+                            slot_stride / 2, vp, std::min(n, tiles[k].keys - k0), k0, D, scale,
+                            sc, pp);
         continue;
       }
     }

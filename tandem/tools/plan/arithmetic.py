@@ -21,8 +21,9 @@ with the numbers filled in and checked by hand. Stated assumptions:
   1 + 4 / head_dim B (1.0625 B at head_dim 64, 1.03125 B at 128); q8_0 is
   llama.cpp's: 1 B plus an fp16 scale per 32 elements = 1.0625 B. ``auto``
   is tandem's own cache on the device (``resolve_kv_dtype``): fp32 and
-  quantized weights give fp16 on CPU, fp32 weights fp32 on a GPU, anything
-  else 16-bit.
+  quantized weights give 16 bits on CPU (bf16 where the planning machine's CPU
+  has AVX512_BF16, else fp16: the same bytes), fp32 weights fp32 on a GPU,
+  anything else 16-bit.
 * Memory for the cache = memory x utilization - reserve - weights - the
   activation peak of one step (what the engine's warm-up would measure).
   GPUs default to utilization 0.92 and no reserve (vLLM's default); CPUs to
@@ -122,8 +123,9 @@ def engine_compute_dtype(device_kind: str) -> str:
 def resolve_kv_dtype(kv_cache_dtype: str, weight_dtype: str, device_kind: str) -> str:
     """Normalise the KV dtype name; ``auto`` is what tandem's engine holds with
     these weights on a ``device_kind`` device: the dtype it computes in (float
-    weights' own, quantized ones' engine_compute_dtype), with fp16 in place of
-    fp32 on CPU (tandem.config.resolve_kv_cache_dtype)."""
+    weights' own, quantized ones' engine_compute_dtype), with 16 bits in place
+    of fp32 on CPU (tandem.config.resolve_kv_cache_dtype: bf16 or fp16 by this
+    machine's CPU, 2 bytes either way)."""
     kv = kv_cache_dtype.lower()
     if kv not in KV_DTYPES:
         raise ValueError(

@@ -89,7 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv-cache-dtype", default="auto", metavar="DTYPE",
-        help=f"KV cache: {', '.join(KV_DTYPES)} (auto: tandem's: fp16 on CPU; on a GPU the "
+        help=f"KV cache: {', '.join(KV_DTYPES)} (auto: tandem's: 16 bits on CPU, bf16 with "
+        "AVX512_BF16 else fp16; on a GPU the "
         "weights' 16 bits, bf16 for quantized weights, fp32 with fp32 weights)",
     )
     p.add_argument("--device", help=f"a device preset: {', '.join(DEVICES)}")
