@@ -282,6 +282,8 @@ void prefill_item(const PrefillItem& it, const float* q, int64_t qs0, int64_t qs
   uint32_t* qp = reinterpret_cast<uint32_t*>(kb);  // bf16's parts, over kb and vb
   uint32_t* vp = qp + ntiles * D * 8;
   uint32_t* pp = vp + half_bs * D;
+  // bf16 tiles scale the scores, so their queries are rounded once (tile_block_bf16).
+  const float qscale = bf16 ? 1.f : scale;
   PrefillTile tiles[kPrefillTiles];
   int64_t keys = 0;
   for (int64_t k = 0; k < ntiles; k++) {
@@ -297,7 +299,7 @@ void prefill_item(const PrefillItem& it, const float* q, int64_t qs0, int64_t qs
       t.limit[i] = static_cast<int32_t>(ctx - qlen + j);
       if (i < t.rows)
         for (int64_t d = 0; d < D; d++)
-          t.qt[d * 16 + i] = query_as<KV>(q[(q0 + j) * qs0 + h * qs1 + d]) * (bf16 ? 1.f : scale);
+          t.qt[d * 16 + i] = query_as<KV>(q[(q0 + j) * qs0 + h * qs1 + d]) * qscale;
     }
     t.keys = t.limit[t.rows - 1] + 1;  // a tile's last row sees the most
     keys = std::max(keys, t.keys);
