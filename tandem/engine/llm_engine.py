@@ -149,9 +149,11 @@ class LLMEngine:
                 f">= max_model_len ({max_len}), or long prompts could never be scheduled"
             )
         self.max_num_batched_tokens = budget_tokens
-        self.kv_caches = allocate_kv_caches(
+        t0 = time.perf_counter()
+        self.kv_caches = allocate_kv_caches(  # written (committed) now: kv_cache.kv_zeros
             self.model, num_blocks, c.block_size, self.dtype, self.kv_cache_dtype
         )
+        alloc_s = time.perf_counter() - t0
         self.kv_manager = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_manager, c.max_num_seqs, budget_tokens, c.enable_chunked_prefill,
@@ -161,12 +163,12 @@ class LLMEngine:
                                   c.max_num_seqs, max_len)
         self.kv_bytes_per_token = bytes_per_token
         logger.info(
-            "KV cache (%s): %d blocks x %d tokens = %d tokens, %d bytes/token (%.2f GiB); "
-            "max_model_len %d -> %.1f full-context conversations fit; "
+            "KV cache (%s): %d blocks x %d tokens = %d tokens, %d bytes/token (%.2f GiB, "
+            "allocated in %.1f s); max_model_len %d -> %.1f full-context conversations fit; "
             "max_num_seqs %d, max_num_batched_tokens %d%s",
             self.kv_cache_dtype,
             num_blocks, c.block_size, pool_tokens, bytes_per_token,
-            num_blocks * block_bytes / 2**30, max_len, pool_tokens / max_len,
+            num_blocks * block_bytes / 2**30, alloc_s, max_len, pool_tokens / max_len,
             c.max_num_seqs, budget_tokens,
             "" if prefill_cap is None else f" ({prefill_cap} prompt tokens in steps with decodes)",
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,25 @@ def test_int8_roundtrip_and_size():
     assert q8_bytes == 2 * 3 * 68
     assert Fp32KVCache.bytes_per_token_layer(3, 64) / q8_bytes > 3.7
     assert Bf16KVCache.bytes_per_token_layer(3, 64) / q8_bytes > 1.8
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's /proc")
+@pytest.mark.parametrize("cache_cls", [Fp16KVCache, Int8KVCache])
+def test_cpu_pool_is_committed_when_allocated(cache_cls):
+    """A CPU pool's pages are resident once it is built, so no decode step
+    faults them in mid-serving (kv_cache.kv_zeros) and a pool that does not
+    fit fails at start-up; it reads as zeros."""
+    slots = (64 << 20) // cache_cls.bytes_per_token_layer(8, 64)  # a 64 MiB pool
+    before = _resident_bytes()
+    cache = cache_cls(slots, 8, 64, torch.float32, CPU)
+    grown = _resident_bytes() - before
+    assert grown >= 0.9 * slots * cache_cls.bytes_per_token_layer(8, 64)
+    assert not cache.kernel_args[0].any()
 
 
 @pytest.mark.parametrize("flags,cpu_auto", [({"avx512f", "avx512_bf16"}, "bf16"),
