@@ -84,6 +84,11 @@ class AsyncEngine:
             self._stopped = True
             raise failure[0]
         self.model_info = ModelInfo.of(self.engine)
+        # The pool's pages, faulted in beside the engine thread before requests
+        # need them (a syscall that holds no GIL and no thread team).
+        self._commit = threading.Thread(target=self.engine.commit_kv_pool,
+                                        name="tandem-kv-commit", daemon=True)
+        self._commit.start()
 
     # ------------------------------------------------------------ caller side
     async def generate(

@@ -29,27 +29,13 @@ from tandem.model.hugepages import Allocator, HugePageArena
 
 
 def kv_zeros(device: torch.device) -> Allocator:
-    """Allocator of a pool's zeroed tensors.
-
-    On CPU in huge pages, where decode attention, which reads a sequence's
-    blocks from all over the pool, ran ~6% faster (16 sequences x 256 tokens,
-    24 layers: 20.5 -> 19.2 ms on a 2-vCPU Zen 4), and written once here, as
-    llama.cpp clears its KV buffer: left to fault in as blocks are first
-    handed out, the pool's pages were committed during serving, 24 huge pages
-    in one step (one per layer) whenever new blocks reached fresh ones, and
-    that step took ~120 ms longer (a 1.66B Q8_0 in a VM whose host backs
-    memory on first touch, 16 streams of 128 + 128 tokens: ITL p99 367-431 ->
-    252 ms in process, a median of 424 -> 322 ms through `tandem serve`).
-    Start-up pays instead (2 GiB: 1.3-3.6 s in that VM, ~0.1 s for memory it
-    had touched before), and a pool that does not fit fails at start, not
-    under load."""
+    """Allocator of a pool's zeroed tensors: on CPU in huge pages (fresh anonymous
+    memory is zero), where decode attention, which reads a sequence's blocks
+    from all over the pool, ran ~6% faster (16 sequences x 256 tokens, 24
+    layers: 20.5 -> 19.2 ms on a 2-vCPU Zen 4). Their pages are committed as
+    they are first written, or ahead of that by ``LLMEngine.commit_kv_pool``."""
     if device.type == "cpu":
-        arena = HugePageArena()
-
-        def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            return arena.empty(shape, dtype).zero_()
-
-        return zeros
+        return HugePageArena().empty
     return lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device)
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from tandem import AsyncEngine, SamplingParams
 from tandem.config import EngineConfig
+from tests.unit.test_kv_cache import needs_populate, resident_fraction
 
 
 @pytest.fixture(scope="module")
@@ -18,6 +19,21 @@ def engine(tiny_config_path):
                                    kv_cache_memory="1MiB", max_model_len=128))
     yield eng
     eng.shutdown()
+
+
+@needs_populate
+def test_the_kv_pool_is_committed_beside_the_engine(tiny_config_path):
+    """A server's engine faults its whole CPU pool in from a thread of its own
+    right after start-up (LLMEngine.commit_kv_pool), so no step does later."""
+    eng = AsyncEngine(EngineConfig(model=tiny_config_path, load_format="dummy",
+                                   skip_tokenizer_init=True, kv_cache_memory="32MiB"))
+    try:
+        eng._commit.join(timeout=60)
+        pool = [t for c in eng.engine.kv_caches for t in c.kernel_args if t is not None]
+        assert sum(t.numel() * t.element_size() for t in pool) >= 31 << 20
+        assert all(resident_fraction(t) == 1.0 for t in pool)
+    finally:
+        eng.shutdown()
 
 
 async def collect(engine, ids, n):

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
+import platform
+import re
+import sys
 
 import pytest
 import torch
@@ -11,6 +16,7 @@ import torch.nn.functional as F
 from tandem import config
 from tandem.config import KV_CACHE_DTYPES
 from tandem.model.attention import AttentionMetadata, build_group, paged_attention
+from tandem.model.hugepages import populate
 from tandem.model.kv_cache import (
     Bf16KVCache,
     Fp16KVCache,
@@ -47,23 +53,40 @@ def test_int8_roundtrip_and_size():
     assert Bf16KVCache.bytes_per_token_layer(3, 64) / q8_bytes > 1.8
 
 
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def resident_fraction(t: torch.Tensor) -> float:
+    """The share of the 4 KiB pages under CPU tensor ``t`` in memory (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = mmap.PAGESIZE
+    start = t.data_ptr() // page * page
+    n = t.data_ptr() + t.numel() * t.element_size() - start
+    vec = ctypes.create_string_buffer(-(-n // page))
+    assert libc.mincore(start, n, vec) == 0, os.strerror(ctypes.get_errno())
+    return sum(b & 1 for b in vec.raw) / len(vec.raw)
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's /proc")
+needs_populate = pytest.mark.skipif(sys.platform != "linux" or tuple(
+    int(x) for x in re.findall(r"\d+", platform.release())[:2]) < (5, 14),
+    reason="MADV_POPULATE_WRITE needs Linux >= 5.14")
+
+
+@needs_populate
 @pytest.mark.parametrize("cache_cls", [Fp16KVCache, Int8KVCache])
-def test_cpu_pool_is_committed_when_allocated(cache_cls):
-    """A CPU pool's pages are resident once it is built, so no decode step
-    faults them in mid-serving (kv_cache.kv_zeros) and a pool that does not
-    fit fails at start-up; it reads as zeros."""
+def test_populate_commits_a_pool_and_keeps_what_it_holds(cache_cls):
+    """A CPU pool's pages fault in as blocks are first written; ``populate``
+    (LLMEngine.commit_kv_pool) commits them all ahead of that, contents kept."""
     slots = (64 << 20) // cache_cls.bytes_per_token_layer(8, 64)  # a 64 MiB pool
-    before = _resident_bytes()
     cache = cache_cls(slots, 8, 64, torch.float32, CPU)
-    grown = _resident_bytes() - before
-    assert grown >= 0.9 * slots * cache_cls.bytes_per_token_layer(8, 64)
-    assert not cache.kernel_args[0].any()
+    kv = torch.randn(3, 2, 8, 64)
+    where = torch.tensor([0, 1000, slots - 1])
+    cache.write(where, kv)
+    held = cache.gather(where)
+    tensors = [t for t in cache.kernel_args if t is not None]
+    assert resident_fraction(tensors[0]) < 0.5
+    assert populate(tensors)
+    assert all(resident_fraction(t) == 1.0 for t in tensors)
+    assert torch.equal(cache.gather(where), held) and held.abs().sum() > 0
+    assert cache.gather(torch.tensor([1, 999, slots - 2])).abs().sum() == 0
 
 
 @pytest.mark.parametrize("flags,cpu_auto", [({"avx512f", "avx512_bf16"}, "bf16"),
