@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.config import EngineConfig, resolve_dtype
+from tandem.config import EngineConfig, host_memory, resolve_dtype
 from tandem.core.detokenizer import IncrementalDetokenizer
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.output_processor import EngineCoreOutput, process_output
@@ -36,6 +36,7 @@ from tandem.worker.structured_output import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 2 * 2**30
+KV_COMMIT_SHARE = 0.9  # of available memory: a larger pool is not committed ahead
 # CPU token budgets (LLMEngine._cpu_token_budgets): a prompt chunk adds at most
 # ITL_BOUND - 1 single-stream steps to a step with decodes; a prompt-only step
 # reads the weights for at most 1 / PREFILL_READ_SHARE of its time. Measured
@@ -249,6 +250,17 @@ class LLMEngine:
             return  # device memory is committed when allocated
         t0 = time.perf_counter()
         tensors = [t for c in self.kv_caches for t in c.kernel_args if t is not None]
+        pool = sum(t.numel() * t.element_size() for t in tensors)
+        _, available = host_memory()
+        if available is not None and pool > KV_COMMIT_SHARE * available:
+            # Committed, it could push the server out of memory within seconds of
+            # starting; left to fault in, it only does if it fills.
+            logger.warning(
+                "the KV pool (%.2f GiB) is more than %d%% of the memory available (%.2f GiB): "
+                "its pages are not committed ahead, and the server may run out of memory "
+                "if it fills; lower --kv-cache-memory", pool / 2**30,
+                KV_COMMIT_SHARE * 100, available / 2**30)
+            return
         if populate(tensors):
             logger.info("KV pool committed in %.1f s", time.perf_counter() - t0)
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
 
 from tandem import AsyncEngine, SamplingParams
 from tandem.config import EngineConfig
+from tandem.engine import llm_engine
+from tandem.engine.llm_engine import LLMEngine
 from tests.unit.test_kv_cache import needs_populate, resident_fraction
 
 
@@ -34,6 +37,20 @@ def test_the_kv_pool_is_committed_beside_the_engine(tiny_config_path):
         assert all(resident_fraction(t) == 1.0 for t in pool)
     finally:
         eng.shutdown()
+
+
+def test_a_pool_larger_than_free_memory_is_not_committed(tiny_config_path, monkeypatch,
+                                                         caplog):
+    """Committing a pool the machine cannot hold would end the server within
+    seconds of starting: it is left to fault in as it fills, with a warning."""
+    engine = LLMEngine(EngineConfig(model=tiny_config_path, load_format="dummy",
+                                    skip_tokenizer_init=True, kv_cache_memory="32MiB"))
+    monkeypatch.setattr(llm_engine, "host_memory", lambda: (1 << 30, 16 << 20))
+    with caplog.at_level(logging.WARNING, logger="tandem.engine.llm_engine"):
+        engine.commit_kv_pool()
+    assert "lower --kv-cache-memory" in caplog.text
+    pool = [t for c in engine.kv_caches for t in c.kernel_args if t is not None]
+    assert all(resident_fraction(t) < 0.5 for t in pool)
 
 
 async def collect(engine, ids, n):

@@ -17,6 +17,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from tandem.config import host_memory
+
 GiB = 1024**3
 MiB = 1024**2
 GB = 1e9
@@ -86,47 +88,6 @@ def get_device(device_id: str) -> Device:
             f"unknown device {device_id!r}; known: {', '.join(DEVICES)} "
             "(or give --memory and --bandwidth, or --measure)"
         ) from None
-
-
-def _meminfo() -> dict[str, int]:
-    out: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                parts = rest.split()
-                if parts and parts[0].isdigit():
-                    out[key] = int(parts[0]) * 1024  # the file says kB, it means KiB
-    except OSError:
-        pass
-    return out
-
-
-def _cgroup_limit() -> int | None:
-    """A container's or VPS slice's memory cap, which beats the host's RAM size."""
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path, encoding="ascii") as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text.isdigit() and int(text) < 1 << 60:  # "max" or a huge sentinel: no limit
-            return int(text)
-    return None
-
-
-def host_memory() -> tuple[int, int | None]:
-    """(total, available) bytes of host memory, honouring a cgroup limit."""
-    info = _meminfo()
-    total = info.get("MemTotal")
-    if total is None:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    available = info.get("MemAvailable")
-    limit = _cgroup_limit()
-    if limit is not None and limit < total:
-        total = limit
-        available = min(available, limit) if available is not None else None
-    return total, available
 
 
 def measure_read_bandwidth(
