@@ -57,30 +57,40 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
-def _cgroup_limit() -> int | None:
-    """A container's or VPS slice's memory cap, which beats the host's RAM size."""
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+def _cgroup_memory(root: Path = Path("/sys/fs/cgroup")) -> tuple[int, int] | None:
+    """(limit, usage) bytes of a container's or VPS slice's memory cap, which beats
+    the host's RAM size; usage without the inactive page cache the kernel
+    reclaims first (docker's figure). None without a cap."""
+    for d, files, inactive in (
+            (root, ("memory.max", "memory.current"), "inactive_file"),
+            (root / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes"),
+             "total_inactive_file")):
         try:
-            with open(path, encoding="ascii") as f:
-                text = f.read().strip()
+            limit, usage = ((d / f).read_text().strip() for f in files)
         except OSError:
             continue
-        if text.isdigit() and int(text) < 1 << 60:  # "max" or a huge sentinel: no limit
-            return int(text)
+        if not (limit.isdigit() and int(limit) < 1 << 60 and usage.isdigit()):
+            continue  # "max" or a huge sentinel: no cap
+        try:
+            stat = dict(line.split()[:2] for line in (d / "memory.stat").read_text().splitlines())
+        except (OSError, ValueError):
+            stat = {}
+        return int(limit), int(usage) - int(stat.get(inactive, 0))
     return None
 
 
 def host_memory() -> tuple[int, int | None]:
-    """(total, available) bytes of host memory, honouring a cgroup limit."""
+    """(total, available) bytes of host memory; under a cgroup's cap, the cap and
+    what is left under it."""
     info = _meminfo()
     total = info.get("MemTotal")
     if total is None:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     available = info.get("MemAvailable")
-    limit = _cgroup_limit()
-    if limit is not None and limit < total:
-        total = limit
-        available = min(available, limit) if available is not None else None
+    cgroup = _cgroup_memory()
+    if cgroup is not None and cgroup[0] < total:
+        total, left = cgroup[0], max(cgroup[0] - cgroup[1], 0)
+        available = min(available, left) if available is not None else left
     return total, available
 
 

@@ -36,7 +36,7 @@ from tandem.worker.structured_output import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 2 * 2**30
-KV_COMMIT_SHARE = 0.9  # of available memory: a larger pool is not committed ahead
+KV_COMMIT_HEADROOM = 2**30  # bytes of memory the KV pool's commit leaves free
 # CPU token budgets (LLMEngine._cpu_token_budgets): a prompt chunk adds at most
 # ITL_BOUND - 1 single-stream steps to a step with decodes; a prompt-only step
 # reads the weights for at most 1 / PREFILL_READ_SHARE of its time. Measured
@@ -244,25 +244,38 @@ class LLMEngine:
         longer, at the same step numbers run after run (a 1.66B Q8_0 in a VM
         whose host backs memory on first touch; 16 streams of 128 + 128
         tokens in process: ITL p99 367-431 -> 252 ms with the pool committed
-        first). 2 GiB took 1.3-3.6 s there, ~0.1 s for memory touched before.
+        first). 2 GiB took 3-5 s there. A pool that would leave less than
+        KV_COMMIT_HEADROOM of memory free (checked before each chunk, so two
+        engines starting together do not both take the last of it) is left to
+        fault in as it fills, which is all it did before.
         """
         if self.device.type != "cpu":
             return  # device memory is committed when allocated
         t0 = time.perf_counter()
         tensors = [t for c in self.kv_caches for t in c.kernel_args if t is not None]
-        pool = sum(t.numel() * t.element_size() for t in tensors)
-        _, available = host_memory()
-        if available is not None and pool > KV_COMMIT_SHARE * available:
-            # Committed, it could push the server out of memory within seconds of
-            # starting; left to fault in, it only does if it fills.
-            logger.warning(
-                "the KV pool (%.2f GiB) is more than %d%% of the memory available (%.2f GiB): "
-                "its pages are not committed ahead, and the server may run out of memory "
-                "if it fills; lower --kv-cache-memory", pool / 2**30,
-                KV_COMMIT_SHARE * 100, available / 2**30)
+        short: list[tuple[int, int]] = []  # (bytes left, bytes available) where it stopped
+
+        def fits(left: int) -> bool:
+            _, available = host_memory()
+            if available is None or left + KV_COMMIT_HEADROOM <= available:
+                return True
+            short.append((left, available))
+            return False
+
+        try:
+            done = populate(tensors, fits)
+        except OSError as e:  # an old kernel: pages fault in as blocks are written
+            logger.info("KV pool not committed ahead (%s)", e)
             return
-        if populate(tensors):
+        if done:
             logger.info("KV pool committed in %.1f s", time.perf_counter() - t0)
+        else:
+            left, available = short[0]
+            logger.warning(
+                "%.2f GiB of the KV pool not committed ahead: %.2f GiB of memory available, "
+                "and at least %.0f GiB stays free; the pool fills as blocks are used, and the "
+                "server may run out of memory if it does; lower --kv-cache-memory",
+                left / 2**30, available / 2**30, KV_COMMIT_HEADROOM / 2**30)
 
     def score_tokens(self, token_ids: Sequence[int], logits_rows: int | None = None):
         """One prefill of token_ids outside the scheduler, with a scratch KV cache.

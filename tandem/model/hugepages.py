@@ -17,8 +17,10 @@ simply copied into ordinary anonymous memory.
 from __future__ import annotations
 
 import ctypes
+import errno
 import math
 import mmap
+import os
 import sys
 from collections.abc import Callable, Iterable
 
@@ -75,21 +77,35 @@ class HugePageArena:
 
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+POPULATE_CHUNK = 32 << 20  # bytes a call: madvise holds the process's map lock over its range
 
 
-def populate(tensors: Iterable[torch.Tensor]) -> bool:
-    """Commit the memory under CPU tensors now, their contents kept: Linux's
-    MADV_POPULATE_WRITE faults each page in as a write would, without writing.
-    ctypes releases the GIL for the call, so a thread can run it beside the
-    engine's. False where the kernel lacks it (before 5.14) or refuses: the
-    pages then fault in when first written, as they would anyway."""
+def populate(tensors: Iterable[torch.Tensor],
+             keep_going: Callable[[int], bool] = lambda left: True) -> bool:
+    """Commit the memory under contiguous CPU tensors now, their contents kept:
+    Linux's MADV_POPULATE_WRITE faults each page in as a write would, without
+    writing. ctypes releases the GIL for each call, so a thread can run it
+    beside the engine's. ``keep_going(bytes left)`` is asked before each chunk
+    of POPULATE_CHUNK bytes; False stops there and returns False. Raises
+    OSError where the kernel lacks it (before 5.14) or refuses."""
     if sys.platform != "linux":
-        return False
+        raise OSError(errno.ENOSYS, "MADV_POPULATE_WRITE is Linux's")
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    ranges = []
     for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("populate takes contiguous CPU tensors")
         start = t.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
-        end = t.data_ptr() + t.numel() * t.element_size()
-        if t.numel() and madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
-            return False
+        ranges.append((start, t.data_ptr() + t.numel() * t.element_size()))
+    left = sum(end - start for start, end in ranges)
+    for start, end in ranges:
+        for a in range(start, end, POPULATE_CHUNK):
+            n = min(POPULATE_CHUNK, end - a)
+            if not keep_going(left):
+                return False
+            if madvise(a, n, MADV_POPULATE_WRITE) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
+            left -= n
     return True

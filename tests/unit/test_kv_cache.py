@@ -83,6 +83,10 @@ def test_populate_commits_a_pool_and_keeps_what_it_holds(cache_cls):
     held = cache.gather(where)
     tensors = [t for t in cache.kernel_args if t is not None]
     assert resident_fraction(tensors[0]) < 0.5
+    asked = []
+    assert not populate(tensors, lambda left: asked.append(left) or False)
+    assert len(asked) == 1 and asked[0] >= sum(t.numel() * t.element_size() for t in tensors)
+    assert resident_fraction(tensors[0]) < 0.5
     assert populate(tensors)
     assert all(resident_fraction(t) == 1.0 for t in tensors)
     assert torch.equal(cache.gather(where), held) and held.abs().sum() > 0

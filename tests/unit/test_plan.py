@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from tandem.config import resolve_kv_cache_dtype
+from tandem.config import _cgroup_memory, resolve_kv_cache_dtype
 from tandem.model.llama import ModelConfig
 from tandem.tools.plan import arithmetic as ar
 from tandem.tools.plan import capacity as cap
@@ -297,6 +297,24 @@ def test_host_probe_small() -> None:
     total, available = host_memory()
     assert total > 256 * 2**20 and (available is None or 0 < available <= total)
     assert measure_read_bandwidth(8 * 2**20, runs=2) > 1e8
+
+
+def test_cgroup_memory_is_the_cap_and_what_is_used_under_it(tmp_path) -> None:
+    """A container's cap beats the host's RAM, and what it has left is the cap
+    less its usage (reclaimable page cache not counted), v2 and v1 files."""
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text(f"{8 * GiB}\n")
+    (v2 / "memory.current").write_text(f"{6 * GiB}\n")
+    (v2 / "memory.stat").write_text(f"anon {4 * GiB}\ninactive_file {GiB}\n")
+    assert _cgroup_memory(v2) == (8 * GiB, 5 * GiB)
+    (v2 / "memory.max").write_text("max\n")
+    assert _cgroup_memory(v2) is None
+    v1 = tmp_path / "v1" / "memory"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(f"{4 * GiB}\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{GiB}\n")  # no memory.stat: usage as is
+    assert _cgroup_memory(tmp_path / "v1") == (4 * GiB, GiB)
 
 
 # --- the CLI -----------------------------------------------------------------------
