@@ -252,7 +252,7 @@ class LLMEngine:
         if self.device.type != "cpu":
             return  # device memory is committed when allocated
         t0 = time.perf_counter()
-        tensors = [t for c in self.kv_caches for t in c.kernel_args if t is not None]
+        tensors = [t for c in self.kv_caches for t in c.tensors]
         short: list[tuple[int, int]] = []  # (bytes left, bytes available) where it stopped
 
         def fits(left: int) -> bool:
@@ -409,7 +409,7 @@ class LLMEngine:
         n = len(blocks) * self.config.block_size
         slots = self._slots([b.block_id for b in blocks])
         tensors = []
-        for part in zip(*(_cache_tensors(c) for c in self.kv_caches)):  # K/V (, scales)
+        for part in zip(*(c.tensors for c in self.kv_caches)):  # K/V (, scales)
             out = torch.empty((len(part), n, *part[0].shape[1:]), dtype=part[0].dtype)
             for layer, t in enumerate(part):
                 if t.device == out.device:  # one copy, straight into the export
@@ -425,7 +425,7 @@ class LLMEngine:
         that prompt is admitted as a hit. Returns the tokens now cached. Engine
         thread only (AsyncEngine.call)."""
         bs = self.config.block_size
-        mine = [t for c in self.kv_caches[:1] for t in _cache_tensors(c)]
+        mine = self.kv_caches[0].tensors
         # Float K/V convert (auto is bf16 or fp16 by each CPU's features, so a
         # prefill and a decode replica on different CPUs hold different ones).
         if kv.block_size != bs or len(kv.tensors) != len(mine) or any(
@@ -440,7 +440,7 @@ class LLMEngine:
             slots = self._slots([held[i].block_id for i in fresh])
             rows = self._slots(fresh).to(torch.device("cpu"))
             for layer, cache in enumerate(self.kv_caches):
-                for t, src in zip(_cache_tensors(cache), kv.tensors):
+                for t, src in zip(cache.tensors, kv.tensors):
                     t.index_copy_(0, slots, src[layer].index_select(0, rows).to(t.device, t.dtype))
         self.kv_manager.release([b.block_id for b in held])
         return len(held) * bs
@@ -535,8 +535,3 @@ class KVBlocks:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
-
-
-def _cache_tensors(cache) -> list[torch.Tensor]:
-    """One layer's cache tensors indexed by slot in dim 0 (data; or int8 values, scales)."""
-    return [t for t in cache.kernel_args if t is not None]

@@ -70,6 +70,11 @@ class DenseKVCache:
         """(cache, scales) as tandem's fused kernels take them."""
         return self.data, None
 
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors holding the pool, each indexed by slot in dim 0."""
+        return [self.data]
+
 
 class Fp32KVCache(DenseKVCache):
     STORED = torch.float32
@@ -109,6 +114,11 @@ class Int8KVCache:
     @property
     def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q, self.scale
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors holding the pool, each indexed by slot in dim 0 (values, scales)."""
+        return [self.q, self.scale]
 
 
 KVCache = DenseKVCache | Int8KVCache

@@ -32,7 +32,7 @@ def test_the_kv_pool_is_committed_beside_the_engine(tiny_config_path):
                                    skip_tokenizer_init=True, kv_cache_memory="32MiB"))
     try:
         eng._commit.join(timeout=60)
-        pool = [t for c in eng.engine.kv_caches for t in c.kernel_args if t is not None]
+        pool = [t for c in eng.engine.kv_caches for t in c.tensors]
         assert sum(t.numel() * t.element_size() for t in pool) >= 31 << 20
         assert all(resident_fraction(t) == 1.0 for t in pool)
     finally:
@@ -49,7 +49,7 @@ def test_a_pool_larger_than_free_memory_is_not_committed(tiny_config_path, monke
     with caplog.at_level(logging.WARNING, logger="tandem.engine.llm_engine"):
         engine.commit_kv_pool()
     assert "lower --kv-cache-memory" in caplog.text
-    pool = [t for c in engine.kv_caches for t in c.kernel_args if t is not None]
+    pool = [t for c in engine.kv_caches for t in c.tensors]
     assert all(resident_fraction(t) < 0.5 for t in pool)
 
 

@@ -81,7 +81,7 @@ def test_populate_commits_a_pool_and_keeps_what_it_holds(cache_cls):
     where = torch.tensor([0, 1000, slots - 1])
     cache.write(where, kv)
     held = cache.gather(where)
-    tensors = [t for t in cache.kernel_args if t is not None]
+    tensors = cache.tensors
     assert resident_fraction(tensors[0]) < 0.5
     asked = []
     assert not populate(tensors, lambda left: asked.append(left) or False)
