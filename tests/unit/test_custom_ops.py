@@ -78,16 +78,28 @@ def query_as(q, cache_cls):
 
 @pytest.mark.parametrize("cache_cls", [Fp32KVCache, Fp16KVCache, Bf16KVCache, Int8KVCache])
 @pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (8, 8, 128), (14, 2, 64), (4, 1, 32),
-                                     (18, 2, 64)])
+                                     (18, 2, 64), (32, 8, 64), (12, 2, 128)])
 @pytest.mark.parametrize("ctx", [[1, 16, 17, 45, 200, 3, 64, 33], [1000], [37, 700], [3000]],
                          ids=["8-seqs", "1-long", "2-ragged", "1-longer"])
 def test_paged_attention_decode_matches_gather_and_sdpa(cache_cls, h, hkv, d, ctx):
-    """Register-blocked shapes (head size 64/128, groups up to 8) and generic ones
-    (head size 32, a group of 9), across block boundaries and ragged lengths; one
-    or two long contexts are split across threads and merged: by KV head (1000
-    tokens), or into ranges of every KV head (700 beside 37, and 3000)."""
+    """Register-blocked shapes (head size 64/128, groups of 1, 3, 4, 6 and 7: the
+    scores' reduction tree takes 16 / group keys at a time, some lanes unused)
+    and generic ones (head size 32, a group of 9), across block boundaries and
+    ragged lengths; one or two long contexts are split across threads and
+    merged: by KV head (1000 tokens), or into ranges of every KV head (700
+    beside 37, and 3000)."""
+    check_paged_attention_decode(cache_cls, h, hkv, d, ctx, 16)
+
+
+@pytest.mark.parametrize("cache_cls", [Fp16KVCache, Bf16KVCache, Int8KVCache])
+@pytest.mark.parametrize("bs", [8, 32, 128])
+def test_paged_attention_decode_block_sizes(cache_cls, bs):
+    """The online softmax steps over 64 keys (several blocks of 8 or 32, one of 128)."""
+    check_paged_attention_decode(cache_cls, 32, 8, 64, [1, 40, 300, 1000], bs)
+
+
+def check_paged_attention_decode(cache_cls, h, hkv, d, ctx, bs):
     torch.manual_seed(2)
-    bs = 16
     nb = -(-max(ctx) // bs)
     tables = [list(range(i * nb, i * nb + -(-c // bs)))[::-1] for i, c in enumerate(ctx)]
     cache = cache_cls(nb * len(ctx) * bs, hkv, d, torch.float32, CPU)
