@@ -82,9 +82,8 @@ def query_as(q, cache_cls):
 @pytest.mark.parametrize("ctx", [[1, 16, 17, 45, 200, 3, 64, 33], [1000], [37, 700], [3000]],
                          ids=["8-seqs", "1-long", "2-ragged", "1-longer"])
 def test_paged_attention_decode_matches_gather_and_sdpa(cache_cls, h, hkv, d, ctx):
-    """Register-blocked shapes (head size 64/128, groups of 1, 3, 4, 6 and 7: the
-    scores' reduction tree takes 16 / group keys at a time, some lanes unused)
-    and generic ones (head size 32, a group of 9), across block boundaries and
+    """Register-blocked shapes (head size 64/128, groups of 1, 3, 4, 6 and 7) and
+    generic ones (head size 32, a group of 9), across block boundaries and
     ragged lengths; one or two long contexts are split across threads and
     merged: by KV head (1000 tokens), or into ranges of every KV head (700
     beside 37, and 3000)."""

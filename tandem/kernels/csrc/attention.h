@@ -24,7 +24,8 @@ struct BlockArgs {
 // 64, bf16, 24 layers: 1 x 4000 tokens 15.8-17.3 -> 9.6-10.6 ms, 16 x 512
 // 32.1-36.8 -> 18.2-22.3; the default model's shape (9 / 3 heads, 30 layers),
 // fp16, 16 x 2048: 67.5-71.7 -> 37.0-48.9, bf16 16 x 256 9.1-10.3 -> 5.2-6.3.
-// From cache, unchanged (16 x 512 tokens, one layer: 0.25-0.36 vs 0.21-0.28 ms).
+// From cache, unchanged (that shape, fp16, 16 x 512 tokens, one layer: 0.25-0.36
+// vs 0.21-0.28 ms).
 template <typename KV>
 inline void prefetch_row(const KV* row, const BlockArgs& a) {
   if (!a.next_offset) return;
