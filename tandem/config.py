@@ -10,6 +10,7 @@ import functools
 import math
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -57,26 +58,32 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
-def _cgroup_memory(root: Path = Path("/sys/fs/cgroup")) -> tuple[int, int] | None:
-    """(limit, usage) bytes of a container's or VPS slice's memory cap, which beats
-    the host's RAM size; usage without the inactive page cache the kernel
-    reclaims first (docker's figure). None without a cap."""
-    for d, files, inactive in (
-            (root, ("memory.max", "memory.current"), "inactive_file"),
-            (root / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes"),
-             "total_inactive_file")):
+def _cgroup_memory(root: Path = Path("/sys/fs/cgroup"),
+                   self_cgroup: Path = Path("/proc/self/cgroup")) -> tuple[int, int] | None:
+    """(limit, usage) bytes of the tightest memory cap on this process's cgroup
+    and its ancestors (a container's, or a systemd unit's MemoryMax=, which sits
+    below the hierarchy's root), which beats the host's RAM size; usage without
+    the inactive page cache the kernel reclaims first (docker's figure). None
+    without a cap."""
+    best: tuple[int, int] | None = None
+    for d, v2 in _cgroup_dirs("memory", root, self_cgroup):
+        files, inactive = ((("memory.max", "memory.current"), "inactive_file") if v2 else
+                           (("memory.limit_in_bytes", "memory.usage_in_bytes"),
+                            "total_inactive_file"))
         try:
             limit, usage = ((d / f).read_text().strip() for f in files)
         except OSError:
             continue
         if not (limit.isdigit() and int(limit) < 1 << 60 and usage.isdigit()):
             continue  # "max" or a huge sentinel: no cap
+        if best is not None and int(limit) >= best[0]:
+            continue
         try:
             stat = dict(line.split()[:2] for line in (d / "memory.stat").read_text().splitlines())
         except (OSError, ValueError):
             stat = {}
-        return int(limit), int(usage) - int(stat.get(inactive, 0))
-    return None
+        best = int(limit), int(usage) - int(stat.get(inactive, 0))
+    return best
 
 
 def host_memory() -> tuple[int, int | None]:
@@ -175,33 +182,39 @@ def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"),
                      self_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
     """The tightest CPU quota (in CPUs) on this process's cgroup and its ancestors,
     v2 (cpu.max) or v1 (cpu.cfs_quota_us / cpu.cfs_period_us); None if unlimited."""
+    quotas = [q for d, v2 in _cgroup_dirs("cpu", root, self_cgroup)
+              if (q := _read_quota(d, ("cpu.max",) if v2 else
+                                   ("cpu.cfs_quota_us", "cpu.cfs_period_us"))) is not None]
+    return min(quotas) if quotas else None
+
+
+def _cgroup_dirs(controller: str, root: Path, self_cgroup: Path) -> Iterator[tuple[Path, bool]]:
+    """(directory, is v2) of this process's cgroup and each ancestor up to the
+    hierarchy's root, in each hierarchy that holds ``controller``: the unified v2
+    one (under unified/ on hybrid hosts) and a v1 one mounted by its name. In a
+    container the root is the container's own cgroup; a path that the mount does
+    not show (v1 without a cgroup namespace) is skipped up to it."""
     try:
         lines = self_cgroup.read_text().splitlines()
     except OSError:
-        return None
-    quotas = []
+        return
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2: the unified hierarchy (under unified/ on hybrid hosts)
+        if controllers == "":
             base = root if (root / "cgroup.controllers").exists() else root / "unified"
-            files = ("cpu.max",)
-        elif "cpu" in controllers.split(","):
-            base = next((root / d for d in (controllers, "cpu", "cpu,cpuacct")
+        elif controller in controllers.split(","):
+            base = next((root / d for d in (controllers, controller, f"{controller},cpuacct")
                          if (root / d).is_dir()), None)
             if base is None:
                 continue
-            files = ("cpu.cfs_quota_us", "cpu.cfs_period_us")
         else:
             continue
         d = base / path.lstrip("/")
         while True:
-            quota = _read_quota(d, files)
-            if quota is not None:
-                quotas.append(quota)
+            yield d, controllers == ""
             if d == base or base not in d.parents:
                 break
             d = d.parent
-    return min(quotas) if quotas else None
 
 
 def _read_quota(d: Path, files: tuple[str, ...]) -> float | None:

@@ -302,19 +302,44 @@ def test_host_probe_small() -> None:
 def test_cgroup_memory_is_the_cap_and_what_is_used_under_it(tmp_path) -> None:
     """A container's cap beats the host's RAM, and what it has left is the cap
     less its usage (reclaimable page cache not counted), v2 and v1 files."""
+    me = tmp_path / "self"
+    me.write_text("0::/\n")
     v2 = tmp_path / "v2"
     v2.mkdir()
+    (v2 / "cgroup.controllers").write_text("cpu memory\n")
     (v2 / "memory.max").write_text(f"{8 * GiB}\n")
     (v2 / "memory.current").write_text(f"{6 * GiB}\n")
     (v2 / "memory.stat").write_text(f"anon {4 * GiB}\ninactive_file {GiB}\n")
-    assert _cgroup_memory(v2) == (8 * GiB, 5 * GiB)
+    assert _cgroup_memory(v2, me) == (8 * GiB, 5 * GiB)
     (v2 / "memory.max").write_text("max\n")
-    assert _cgroup_memory(v2) is None
-    v1 = tmp_path / "v1" / "memory"
+    assert _cgroup_memory(v2, me) is None
+    me.write_text("9:memory:/docker/x\n")  # v1 without a cgroup namespace: the mount is
+    v1 = tmp_path / "v1" / "memory"       # the container's cgroup, its path not shown
     v1.mkdir(parents=True)
     (v1 / "memory.limit_in_bytes").write_text(f"{4 * GiB}\n")
     (v1 / "memory.usage_in_bytes").write_text(f"{GiB}\n")  # no memory.stat: usage as is
-    assert _cgroup_memory(tmp_path / "v1") == (4 * GiB, GiB)
+    assert _cgroup_memory(tmp_path / "v1", me) == (4 * GiB, GiB)
+
+
+def test_cgroup_memory_is_the_tightest_cap_on_the_path(tmp_path) -> None:
+    """A systemd unit's MemoryMax= sits below the hierarchy's root (which has no
+    memory.max): the walk finds it, and a tighter ancestor's cap wins with that
+    ancestor's usage."""
+    me = tmp_path / "self"
+    me.write_text("0::/system.slice/tandem.service\n")
+    root = tmp_path / "fs"
+    unit = root / "system.slice" / "tandem.service"
+    unit.mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpu memory\n")
+    (unit / "memory.max").write_text(f"{6 * GiB}\n")
+    (unit / "memory.current").write_text(f"{2 * GiB}\n")
+    (unit.parent / "memory.max").write_text("max\n")
+    (unit.parent / "memory.current").write_text(f"{9 * GiB}\n")
+    assert _cgroup_memory(root, me) == (6 * GiB, 2 * GiB)
+    (unit.parent / "memory.max").write_text(f"{4 * GiB}\n")
+    assert _cgroup_memory(root, me) == (4 * GiB, 9 * GiB)
+    me.write_text("0::/user.slice\n")  # no cap anywhere on this path
+    assert _cgroup_memory(root, me) is None
 
 
 # --- the CLI -----------------------------------------------------------------------
