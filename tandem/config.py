@@ -101,7 +101,8 @@ def host_memory() -> tuple[int, int | None]:
     return total, available
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, device_type: str, compute_dtype: str) -> str:
+def resolve_kv_cache_dtype(kv_cache_dtype: str, device_type: str, compute_dtype: str, *,
+                           cpu_bf16: bool | None = None) -> str:
     """The KV cache's element type ("fp32", "bf16", "fp16" or "int8") for
     --kv-cache-dtype on a device whose engine computes in ``compute_dtype``
     ("fp32", "bf16" or "fp16").
@@ -115,6 +116,11 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, device_type: str, compute_dtype:
     prefill attention 1.4-1.6x the fp16 cache's (a 4000-token prompt on a
     1.66B Q4_0: 32.4-34.0 -> 27.7-29.8 s), decode alike; fp16 (llama.cpp's and
     Ollama's default cache) elsewhere.
+
+    ``cpu_bf16``: whether the CPU kernels in use multiply bf16, which the
+    engine knows once it has loaded them (a g++ that does not know the
+    instructions builds them without); None takes the CPU's own flag, the
+    planner's estimate for a machine like this one.
     """
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
@@ -122,7 +128,9 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, device_type: str, compute_dtype:
     if kv_cache_dtype != "auto":
         return kv_cache_dtype
     if device_type == "cpu" and compute_dtype == "fp32":
-        return "bf16" if "avx512_bf16" in cpu_flags() else "fp16"
+        if cpu_bf16 is None:
+            cpu_bf16 = "avx512_bf16" in cpu_flags()
+        return "bf16" if cpu_bf16 else "fp16"
     return compute_dtype
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)

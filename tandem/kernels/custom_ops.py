@@ -15,6 +15,7 @@ one warning says why.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -99,8 +100,16 @@ def available() -> bool:
     return _available
 
 
+@functools.cache
+def simd_features() -> frozenset[str]:
+    """The instruction sets the loaded kernels were compiled for, in /proc/cpuinfo's
+    names (empty without the kernels): what they run, which the CPU's flags only
+    bound."""
+    return frozenset(torch.ops.tandem.simd_features().split()) if available() else frozenset()
+
+
 if __name__ == "__main__":  # `python -m tandem.kernels.custom_ops`: build now (make setup)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not available():
         raise SystemExit("tandem's CPU kernels are unavailable; tandem runs, more slowly")
-    print("tandem's CPU kernels are built")
+    print(f"tandem's CPU kernels are built ({' '.join(sorted(simd_features())) or 'portable'})")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from tandem.config import resolve_kv_cache_dtype
+from tandem.kernels import custom_ops
 from tandem.model.hugepages import Allocator, HugePageArena
 
 
@@ -128,8 +129,10 @@ _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def kv_cache_dtype_name(kv_cache_dtype: str, device: torch.device, dtype: torch.dtype) -> str:
-    """--kv-cache-dtype resolved for an engine computing in ``dtype`` on ``device``."""
-    return resolve_kv_cache_dtype(kv_cache_dtype, device.type, _NAMES[dtype])
+    """--kv-cache-dtype resolved for an engine computing in ``dtype`` on ``device``:
+    on CPU, bf16 only where the kernels as built multiply it."""
+    cpu_bf16 = "avx512_bf16" in custom_ops.simd_features() if device.type == "cpu" else None
+    return resolve_kv_cache_dtype(kv_cache_dtype, device.type, _NAMES[dtype], cpu_bf16=cpu_bf16)
 
 
 def kv_cache_class(name: str) -> type[DenseKVCache] | type[Int8KVCache]:

@@ -26,6 +26,9 @@ ops = torch.ops.tandem
 def test_kernels_are_built_here():
     # CI machines have g++: the fast path must be what the other tests exercise.
     assert custom_ops.available(), "tandem's CPU kernels failed to build (see the warning)"
+    # What they were built for is what this CPU has, at most (-march=native).
+    built = custom_ops.simd_features()
+    assert built <= cpu_flags() and ("avx512f" in built) == ("avx512f" in cpu_flags())
 
 
 def test_rms_norm_and_silu_and_mul():
@@ -142,7 +145,7 @@ def test_paged_attention_prefill_matches_gather_and_sdpa(cache_cls, h, hkv, d, c
         qf = q if fused else query_as(q, cache_cls)
         out[fused] = paged_attention(qf, cache, AttentionMetadata(None, None, g), d**-0.5)
     if (cache_cls is Bf16KVCache and d % 32 == 0
-            and {"avx512_bf16", "avx512bw"} <= cpu_flags()):
+            and {"avx512_bf16", "avx512bw"} <= custom_ops.simd_features()):
         # The bf16 tiles round the probabilities to bf16 too (2^-9 relative):
         # outputs of magnitude ~1 err by ~2e-3 on average here; a wrong pairing
         # of dims or keys errs by O(1). Elsewhere a bf16 cache is as exact as

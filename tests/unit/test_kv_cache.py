@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from tandem import config
 from tandem.config import KV_CACHE_DTYPES
+from tandem.kernels import custom_ops
 from tandem.model.attention import AttentionMetadata, build_group, paged_attention
 from tandem.model.hugepages import populate
 from tandem.model.kv_cache import (
@@ -93,13 +94,17 @@ def test_populate_commits_a_pool_and_keeps_what_it_holds(cache_cls):
     assert cache.gather(torch.tensor([1, 999, slots - 2])).abs().sum() == 0
 
 
-@pytest.mark.parametrize("flags,cpu_auto", [({"avx512f", "avx512_bf16"}, "bf16"),
+@pytest.mark.parametrize("built,cpu_auto", [({"avx512f", "avx512_bf16"}, "bf16"),
                                             ({"avx512f"}, "fp16"), (set(), "fp16")])
-def test_auto_is_16_bit_on_cpu_and_the_engines_dtype_on_cuda(flags, cpu_auto, monkeypatch):
+def test_auto_is_16_bit_on_cpu_and_the_engines_dtype_on_cuda(built, cpu_auto, monkeypatch):
     """One rule resolves --kv-cache-dtype for every device and engine dtype: on
-    CPU bf16 where the CPU multiplies it, else fp16; a choice outside the
+    CPU bf16 where the kernels as built multiply it, else fp16, whatever the
+    CPU's flags say (a g++ that does not know AVX512_BF16 builds without it; the
+    planner, which loads no kernels, goes by the flags); a choice outside the
     flag's is a ValueError naming them."""
-    monkeypatch.setattr(config, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(config, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(custom_ops, "simd_features", lambda: frozenset(built))
+    assert config.resolve_kv_cache_dtype("auto", "cpu", "fp32") == "bf16"
     cpu, cuda = CPU, torch.device("cuda")
     assert kv_cache_dtype_name("auto", cpu, torch.float32) == cpu_auto
     assert kv_cache_dtype_name("auto", cpu, torch.bfloat16) == "bf16"
@@ -114,7 +119,7 @@ def test_auto_is_16_bit_on_cpu_and_the_engines_dtype_on_cuda(flags, cpu_auto, mo
 def test_fp16_cache_rounds_once_and_holds_twice_the_tokens(monkeypatch):
     """The flag's every choice has a class; fp16 stores K/V as torch's .half()
     rounds them and gives them back in the engine's dtype, at half fp32's bytes."""
-    monkeypatch.setattr(config, "cpu_flags", lambda: frozenset())
+    monkeypatch.setattr(custom_ops, "simd_features", lambda: frozenset())
     assert {c: kv_cache_class(kv_cache_dtype_name(c, CPU, torch.float32))
             for c in KV_CACHE_DTYPES} == {
         "auto": Fp16KVCache, "fp32": Fp32KVCache, "fp16": Fp16KVCache, "bf16": Bf16KVCache,

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -108,6 +109,30 @@ inline void to_bf16(const float* src, int64_t n, at::BFloat16* dst) {
                         reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i))));
 #endif
   for (; i < n; i++) dst[i] = at::BFloat16(src[i]);
+}
+
+// The instruction sets these kernels were compiled for (-march=native on the
+// g++ at hand), named as /proc/cpuinfo names them: a CPU flag the compiler did
+// not know leaves its paths out, whatever the CPU has.
+inline std::string simd_features() {
+  std::string out;
+  auto add = [&](const char* name) { out += out.empty() ? name : std::string(" ") + name; };
+#ifdef __AVX2__
+  add("avx2");
+#endif
+#ifdef __AVX512F__
+  add("avx512f");
+#endif
+#ifdef __AVX512BW__
+  add("avx512bw");
+#endif
+#ifdef __AVX512VNNI__
+  add("avx512_vnni");
+#endif
+#ifdef __AVX512BF16__
+  add("avx512_bf16");
+#endif
+  return out;
 }
 
 // A KV cache's element type: float, fp16 or bf16 values, or int8 with an fp32

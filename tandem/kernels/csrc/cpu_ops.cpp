@@ -71,6 +71,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def("q6_k_to_int8(Tensor raw) -> Tensor[]");
   m.def("exp_weights(Tensor logits, Tensor temperature) -> (Tensor, Tensor)");
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor rows, Tensor bitmask, float value) -> ()");
+  m.def("simd_features", &tandem::simd_features);
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
