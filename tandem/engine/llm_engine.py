@@ -290,7 +290,7 @@ class LLMEngine:
             slot_mapping=torch.arange(n, device=dev),
             decode=None,
             prefill=build_group([n], [n], torch.arange(nblk)[None], bs, dev, self.dtype,
-                                self.model.fused),
+                                self.model.fused, self.model.window),
         )
         rows = n if logits_rows is None else logits_rows
         return self.model.forward(

@@ -14,6 +14,10 @@ tensors are built once per step (``AttentionMetadata``) and reused by every
 layer. The flat batch is ordered decodes first, then prefill chunks, so the
 two groups are contiguous slices: decodes need no query padding and a lone
 prefill chunk needs none either.
+
+A layer with a sliding window of W keys (Mistral, Phi-3, some Qwen2 layers)
+lets each query see its last W keys, itself included (HF's q - k < W): the
+kernels skip the keys before, the reference path masks them.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ class AttnGroup:
     block_table: torch.Tensor | None = None  # [B, blocks] int32, for the fused kernels
     context_lens: torch.Tensor | None = None  # [B] int32, for the fused kernels
     query_starts: torch.Tensor | None = None  # [B + 1] int32 flat offsets: fused prefill
+    # The mask of windowed layers, where the window hides keys (not fused); else mask.
+    window_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -59,6 +65,7 @@ def build_group(
     device: torch.device,
     dtype: torch.dtype = torch.float32,
     fused: bool = False,
+    window: int = 0,
 ) -> AttnGroup:
     """Index tensors for one group; O(sequences + blocks) host work.
 
@@ -67,7 +74,8 @@ def build_group(
     row i of ``block_table`` (CPU, integer, at least the longest context's
     blocks wide; entries past a context are never read). ``fused``: the group
     gets the block table and lengths (and a prefill group its queries' flat
-    offsets) the fused kernels read.
+    offsets) the fused kernels read. ``window``: the model's windowed layers'
+    window (0: none), for which the reference path gets a mask of its own.
     """
     b = len(q_lens)
     max_q, max_ctx = max(q_lens), max(ctx_lens)
@@ -86,20 +94,27 @@ def build_group(
     key_slots = (table.unsqueeze(-1) * block_size + offs).view(b, -1)[:, :max_ctx].reshape(-1)
     ctx = torch.tensor(ctx_lens, dtype=torch.long)
     key_pos = torch.arange(max_ctx, dtype=torch.long)
-    mask = None
+    mask = window_mask = None
     q_index = out_index = None
+    windowed = 0 < window < max_ctx  # else the window hides no key
     if max_q == 1:
         if min(ctx_lens) != max_ctx:
             mask = (key_pos.unsqueeze(0) < ctx.unsqueeze(1)).view(b, 1, 1, max_ctx)
+        if windowed:
+            seen = key_pos.unsqueeze(0) >= (ctx - window).unsqueeze(1)
+            window_mask = (seen & (key_pos.unsqueeze(0) < ctx.unsqueeze(1))).view(b, 1, 1, -1)
     else:
         ql = torch.tensor(q_lens, dtype=torch.long)
         j = torch.arange(max_q, dtype=torch.long)
         q_pos = (ctx - ql).unsqueeze(1) + j.unsqueeze(0)  # [B, Q] absolute positions
         valid_q = j.unsqueeze(0) < ql.unsqueeze(1)
-        mask = key_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)  # causal, lower-right aligned
         # Padded query rows attend to key 0 only, so softmax never sees an empty row.
-        mask |= (~valid_q).unsqueeze(-1) & (key_pos == 0).view(1, 1, -1)
-        mask = mask.unsqueeze(1)
+        pad = (~valid_q).unsqueeze(-1) & (key_pos == 0).view(1, 1, -1)
+        mask = key_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)  # causal, lower-right aligned
+        if windowed:
+            window_mask = ((mask & (key_pos.view(1, 1, -1) > (q_pos - window).unsqueeze(-1)))
+                           | pad).unsqueeze(1)
+        mask = (mask | pad).unsqueeze(1)
         if b > 1 and min(q_lens) != max_q:
             starts = torch.cumsum(ql, 0) - ql
             q_index = (starts.unsqueeze(1) + j.unsqueeze(0)).clamp_max(int(ql.sum()) - 1)
@@ -107,31 +122,37 @@ def build_group(
             out_index = (torch.arange(b).unsqueeze(1) * max_q + j.unsqueeze(0))[valid_q]
             out_index = out_index.to(device)
             q_index = q_index.to(device)
+    def additive(m: torch.Tensor | None) -> torch.Tensor | None:
+        # Built once: SDPA would convert a bool mask in every layer.
+        return None if m is None else torch.zeros(m.shape, dtype=dtype).masked_fill_(
+            ~m, float("-inf")).to(device)
+
     return AttnGroup(
         num_tokens=sum(q_lens),
         key_slots=key_slots.to(device),
-        # Additive float mask, built once: SDPA would convert a bool mask in every layer.
-        mask=None if mask is None else torch.zeros(mask.shape, dtype=dtype).masked_fill_(
-            ~mask, float("-inf")).to(device),
+        mask=additive(mask),
         q_index=q_index,
         out_index=out_index,
         batch=b,
         q_len=max_q,
+        window_mask=additive(window_mask),
     )
 
 
-def _attend(q: torch.Tensor, kv_cache: KVCache, g: AttnGroup, scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, kv_cache: KVCache, g: AttnGroup, scale: float,
+            window: int) -> torch.Tensor:
     """q: [Tg, H, D] flat queries of the group -> [Tg, H*D]."""
     t, h, d = q.shape
     if g.query_starts is not None:
         return torch.ops.tandem.paged_attention_prefill(
             q, *kv_cache.kernel_args, g.block_table, g.context_lens, g.query_starts,
-            g.block_size, scale,
+            g.block_size, scale, window,
         )
     if g.block_table is not None:
         return torch.ops.tandem.paged_attention_decode(
-            q, *kv_cache.kernel_args, g.block_table, g.context_lens, g.block_size, scale
+            q, *kv_cache.kernel_args, g.block_table, g.context_lens, g.block_size, scale, window
         )
+    mask = g.window_mask if window and g.window_mask is not None else g.mask
     kv = kv_cache.gather(g.key_slots)
     kv = kv.view(g.batch, -1, *kv.shape[1:])
     k = kv[:, :, 0].transpose(1, 2)  # [B, Hkv, L, D]
@@ -142,14 +163,14 @@ def _attend(q: torch.Tensor, kv_cache: KVCache, g: AttnGroup, scale: float) -> t
         # "query positions" (no causal mask among them), so SDPA reads each KV
         # head once instead of once per query head: ~40% faster than enable_gqa.
         out = F.scaled_dot_product_attention(
-            q.view(g.batch, hkv, h // hkv, d), k, v, attn_mask=g.mask, scale=scale
+            q.view(g.batch, hkv, h // hkv, d), k, v, attn_mask=mask, scale=scale
         )
         return out.reshape(t, h * d)
     if g.q_index is not None:
         q = q.index_select(0, g.q_index)
     q = q.view(g.batch, g.q_len, h, d).transpose(1, 2)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=hkv != h
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=hkv != h
     )
     out = out.transpose(1, 2).reshape(g.batch * g.q_len, h * d)
     if g.out_index is not None:
@@ -158,15 +179,16 @@ def _attend(q: torch.Tensor, kv_cache: KVCache, g: AttnGroup, scale: float) -> t
 
 
 def paged_attention(
-    q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, window: int = 0
 ) -> torch.Tensor:
-    """Attention for the whole flat batch; the new K/V are already in kv_cache."""
+    """Attention for the whole flat batch; the new K/V are already in kv_cache.
+    ``window``: this layer's sliding window (0: none), the one build_group was given."""
     if meta.prefill is None:
-        return _attend(q, kv_cache, meta.decode, scale)
+        return _attend(q, kv_cache, meta.decode, scale, window)
     if meta.decode is None:
-        return _attend(q, kv_cache, meta.prefill, scale)
+        return _attend(q, kv_cache, meta.prefill, scale, window)
     nd = meta.decode.num_tokens
     return torch.cat(
-        (_attend(q[:nd], kv_cache, meta.decode, scale),
-         _attend(q[nd:], kv_cache, meta.prefill, scale))
+        (_attend(q[:nd], kv_cache, meta.decode, scale, window),
+         _attend(q[nd:], kv_cache, meta.prefill, scale, window))
     )

@@ -17,7 +17,6 @@ runner hands them to tandem.worker.decode_step, one C++ call for all layers.
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 
@@ -29,8 +28,6 @@ from tandem.model.attention import AttentionMetadata, paged_attention
 from tandem.model.hf_config import tie_word_embeddings
 from tandem.model.kv_cache import KVCache
 from tandem.model.linear import DenseLinear, Linear
-
-logger = logging.getLogger(__name__)
 
 # HF architecture -> family. All share one layout; Phi-3's checkpoints hold
 # Q/K/V and gate/up already fused (qkv_proj, gate_up_proj).
@@ -47,9 +44,8 @@ SUPPORTED_ARCHITECTURES = {
 class ModelConfig:
     """The few fields of an HF config.json the model needs.
 
-    ``max_position_embeddings`` is the context tandem serves: the config's,
-    capped at ``sliding_window`` where HF attends through one (see
-    _sliding_window).
+    ``sliding_window``: the window (W keys) of the layers in ``sliding_layers``
+    (see _sliding_window); None when no layer's window hides a key.
     """
 
     architecture: str
@@ -70,10 +66,15 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_id: int | list[int] | None
     sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
 
     @property
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    def layer_window(self, i: int) -> int:
+        """Layer i's sliding window in keys, 0 for full attention."""
+        return self.sliding_window if self.sliding_window and i in self.sliding_layers else 0
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
@@ -109,13 +110,9 @@ class ModelConfig:
             if (rope_scaling.get("rope_type") or rope_scaling.get("type")) in (None, "default"):
                 rope_scaling = None
             max_pos = int(cfg.get("max_position_embeddings", 4096))
-            window = _sliding_window(cfg, family)
-            if window is not None and window < max_pos:
-                logger.warning(
-                    "%s attends through a sliding window of %d tokens; tandem attends to the "
-                    "whole context, so it serves at most %d tokens (max_position_embeddings "
-                    "%d), where the two are the same", arch, window, window, max_pos)
-                max_pos = window
+            window, sliding = _sliding_window(cfg, family)
+            if window is not None and window >= max_pos:  # hides no key of any context
+                window, sliding = None, ()
             c = cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -135,6 +132,7 @@ class ModelConfig:
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_id=cfg.get("eos_token_id"),
                 sliding_window=window,
+                sliding_layers=sliding,
             )
             rope_inv_freq(c)  # an unsupported rope_scaling fails here, before any weight is read
             return c
@@ -142,27 +140,27 @@ class ModelConfig:
             raise ValueError(f"config.json is missing or has a bad field: {e}") from None
 
 
-def _sliding_window(cfg: dict, family: str) -> int | None:
-    """The window HF attends through in any layer, or None.
+def _sliding_window(cfg: dict, family: str) -> tuple[int | None, tuple[int, ...]]:
+    """The window HF attends through (W keys: HF keeps key k for query q when
+    q - k < W) and the layers that do, or (None, ()).
 
     HF's Mistral and Phi-3 window every layer when ``sliding_window`` is set;
     Qwen2/Qwen3 only with ``use_sliding_window``, and only the layers from
     ``max_window_layers`` on (``layer_types`` in transformers 5); Llama never.
-    A window of W keys (HF keeps key k for query q when q - k < W) is full
-    attention over the first W positions.
     """
-    window = cfg.get("sliding_window")
+    window, n = cfg.get("sliding_window"), int(cfg["num_hidden_layers"])
     if family == "llama" or not window:
-        return None
+        return None, ()
+    layers: tuple[int, ...] = tuple(range(n))
     if family in ("qwen2", "qwen3"):
         if not cfg.get("use_sliding_window"):
-            return None
+            return None, ()
         types = cfg.get("layer_types")
         if types is not None:
-            return int(window) if "sliding_attention" in types else None
-        first = cfg.get("max_window_layers", cfg["num_hidden_layers"])
-        return int(window) if int(first) < int(cfg["num_hidden_layers"]) else None
-    return int(window)
+            layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        else:
+            layers = tuple(range(int(cfg.get("max_window_layers", n)), n))
+    return (int(window), layers) if layers else (None, ())
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -198,6 +196,7 @@ class Layer:
         self.o: Linear = w["o"]  # H * D -> hidden
         self.gate_up: Linear = w["gate_up"]  # hidden -> 2 * inter
         self.down: Linear = w["down"]  # inter -> hidden
+        self.window: int = w.get("window", 0)  # sliding window keys (0: full attention)
         self.q_norm = w.get("q_norm")
         self.k_norm = w.get("k_norm")
 
@@ -270,7 +269,9 @@ class LlamaModel:
         self.embed = weights["embed"]  # [vocab, hidden]
         self.norm = weights["norm"]
         self.lm_head: Linear = weights["lm_head"]  # dense, or int8 in quantized models
-        self.layers = [Layer(w) for w in weights["layers"]]
+        self.layers = [Layer({**w, "window": cfg.layer_window(i)})
+                       for i, w in enumerate(weights["layers"])]
+        self.window = cfg.sliding_window or 0  # the windowed layers' (build_group's window)
         dev, dt = self.norm.device, self.norm.dtype
         pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)
         freqs = torch.outer(pos, rope_inv_freq(cfg))  # [P, D/2]
@@ -311,7 +312,7 @@ class LlamaModel:
                 qkv[:, :h] = ops.rms_norm(qkv[:, :h], layer.q_norm, eps)
                 qkv[:, h : h + hkv] = ops.rms_norm(qkv[:, h : h + hkv], layer.k_norm, eps)
             q = ops.rope_and_cache(qkv, rope, h, hkv, cache, slots)
-            attn = paged_attention(q, cache, meta, self.scale)
+            attn = paged_attention(q, cache, meta, self.scale, layer.window)
             x = layer.o.add(x, attn)
             x = layer.down.add(x, ops.silu_and_mul(
                 layer.gate_up(ops.rms_norm(x, layer.post_norm, eps))))

@@ -49,7 +49,7 @@ class DecodeStep:
             args = [lin.step_args for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             step.add_layer(layer.input_norm, layer.post_norm, [int(k) for k, _ in args],
                            [t for _, tensors in args for t in tensors], layer.qkv.bias,
-                           layer.q_norm, layer.k_norm, *cache.kernel_args)
+                           layer.q_norm, layer.k_norm, *cache.kernel_args, layer.window)
         self._step = step
 
     @classmethod

@@ -118,6 +118,7 @@ class ModelRunner:
                 self.device,
                 self.model.dtype,
                 self.model.fused,
+                self.model.window,
             )
 
         meta = AttentionMetadata(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 
 import pytest
 import torch
@@ -94,60 +93,78 @@ def test_tiny_models_match_hf(arch, overrides, tmp_path):
         assert [r.output_token_ids for r in reqs] == want, path
 
 
-@pytest.mark.parametrize("arch", ["mistral", "phi3"])
-def test_sliding_window_caps_the_context(arch, tmp_path, caplog):
-    """HF attends through the window; tandem serves exactly the context where the
-    window covers everything (W tokens) and refuses more by name."""
-    w = 24
-    hf = hf_model(arch, sliding_window=w)
-    hf.save_pretrained(tmp_path)
-    ids = torch.arange(3, 3 + w + 1).unsqueeze(0)
+def _greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """HF's greedy ids by a full forward per token (no KV cache to differ in)."""
+    ids = list(prompt)
     with torch.no_grad():
-        windowed = hf(ids).logits[0]
-        hf.config.sliding_window = None
-        full = hf(ids).logits[0]
-    # The window is real one token past it, and tandem's cap is tight.
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("arch, w, overrides", [
+    ("mistral", 10, {}),  # a window inside one 16-slot block: starts mid-block
+    ("mistral", 24, {}),
+    ("phi3", 20, {}),
+    # Qwen2 windows only the layers from max_window_layers on: layer 1 here.
+    ("qwen2", 10, dict(use_sliding_window=True, max_window_layers=1)),
+], ids=["mistral-10", "mistral-24", "phi3-20", "qwen2-layer1-10"])
+def test_sliding_window_matches_hf_past_the_window(arch, w, overrides, tmp_path):
+    """Where HF attends through a sliding window of W keys, tandem serves the
+    model's whole context and attends as HF does past W: prefill logits (chunks
+    of 16, so later chunks start past the window) and greedy ids whose decodes
+    run past it, on every CPU path."""
+    hf = hf_model(arch, sliding_window=w, **overrides)
+    hf.save_pretrained(tmp_path)
+    long = list(range(3, 3 + 2 * w + 5))
+    with torch.no_grad():  # the same weights without the window
+        windowed = hf(torch.tensor([long])).logits[0]
+        full = hf_model(arch)(torch.tensor([long])).logits[0]
+    # The window is real: past it HF's logits are not full attention's.
     torch.testing.assert_close(windowed[:w], full[:w])
-    assert not torch.allclose(windowed[w], full[w], atol=1e-4)
-    with caplog.at_level(logging.WARNING, logger="tandem.model.llama"):
-        engine = _engine(tmp_path)
-    assert "sliding window of 24 tokens" in caplog.text and "at most 24 tokens" in caplog.text
-    assert engine.max_model_len == w and engine.model_config.sliding_window == w
+    assert not torch.allclose(windowed[w:], full[w:], atol=1e-3)
+    n = 12
+    prompts = [PROMPTS[0], long[: w + 3], long]
+    want = [_greedy(hf, p, n) for p in prompts]
+    engine = _engine(tmp_path)
+    assert engine.max_model_len == 256 and engine.model_config.sliding_window == w
     for path in CPU_PATHS:
         with cpu_path(engine, path):
-            torch.testing.assert_close(engine.score_tokens(ids[0, :w].tolist()), windowed[:w],
-                                       atol=1e-4, rtol=1e-4)
-            req = engine.add_request(ids[0, : w - 4].tolist(), SamplingParams(
-                temperature=0, max_tokens=4, ignore_eos=True))
+            torch.testing.assert_close(engine.score_tokens(long), windowed, atol=1e-4,
+                                       rtol=1e-4)
+            reqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n,
+                                                         ignore_eos=True)) for p in prompts]
             while engine.has_unfinished_requests():
                 engine.step()
-            assert len(req.output_token_ids) == 4
-    with pytest.raises(ValueError, match="maximum context length is 24"):
-        engine.add_request(ids[0].tolist(), SamplingParams(max_tokens=1))
-    with pytest.raises(ValueError, match="exceeds the model's context window"):
-        _engine(tmp_path, max_model_len=w + 1)
+        assert [r.output_token_ids for r in reqs] == want, path
 
 
 def _cfg(arch: str, **overrides) -> dict:
     return {"architectures": [arch], **COMMON, **overrides}
 
 
-@pytest.mark.parametrize("overrides, window", [
-    (dict(sliding_window=4096, use_sliding_window=False, max_window_layers=1), None),
-    (dict(sliding_window=24, use_sliding_window=True, max_window_layers=2), None),
-    (dict(sliding_window=24, use_sliding_window=True, max_window_layers=1), 24),
+@pytest.mark.parametrize("overrides, window, layers", [
+    (dict(sliding_window=4096, use_sliding_window=False, max_window_layers=1), None, ()),
+    (dict(sliding_window=24, use_sliding_window=True, max_window_layers=2), None, ()),
+    (dict(sliding_window=24, use_sliding_window=True, max_window_layers=1), 24, (1,)),
     (dict(sliding_window=24, use_sliding_window=True,
-          layer_types=["full_attention", "sliding_attention"]), 24),
+          layer_types=["sliding_attention", "full_attention"]), 24, (0,)),
+    # A window as long as the context hides no key.
+    (dict(sliding_window=256, use_sliding_window=True, max_window_layers=0), None, ()),
 ])
-def test_qwen_sliding_window_only_where_hf_uses_it(overrides, window):
+def test_qwen_sliding_window_only_where_hf_uses_it(overrides, window, layers):
     """Qwen2.5 configs carry a sliding_window HF ignores unless use_sliding_window
-    (and then only from layer max_window_layers on)."""
+    (and then only from layer max_window_layers on); the context is the config's."""
     for arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         cfg = ModelConfig.from_hf(_cfg(arch, **overrides))
-        assert cfg.sliding_window == window
-        assert cfg.max_position_embeddings == (window or 256)
-    # Llama has no window, whatever its config says.
+        assert (cfg.sliding_window, cfg.sliding_layers) == (window, layers)
+        assert [cfg.layer_window(i) for i in range(2)] == [
+            window if i in layers else 0 for i in range(2)]
+        assert cfg.max_position_embeddings == 256
+    # Llama has no window, whatever its config says; Mistral windows every layer.
     assert ModelConfig.from_hf(_cfg("LlamaForCausalLM", sliding_window=24)).sliding_window is None
+    assert ModelConfig.from_hf(_cfg("MistralForCausalLM", sliding_window=24)).sliding_layers == (
+        0, 1)
 
 
 @pytest.mark.parametrize("arch, overrides, feature", [

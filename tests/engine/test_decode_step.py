@@ -135,13 +135,18 @@ def test_the_cpp_step_refuses_what_it_does_not_implement(tmp_path):
     with pytest.raises(RuntimeError, match="before the first step"):
         step.forward(torch.tensor([[5, 0, 0]]), torch.zeros(1, 1, dtype=torch.int32))
     step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
-                   layer.k_norm, cache, scale)  # what the model has: accepted
+                   layer.k_norm, cache, scale, 0)  # what the model has: accepted
+    step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
+                   layer.k_norm, cache, scale, 8)  # a sliding window of 8 keys
+    with pytest.raises(RuntimeError, match="share one window"):
+        step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
+                       layer.k_norm, cache, scale, 9)
     with pytest.raises(RuntimeError, match="kv heads"):
         step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
-                       layer.k_norm, cache[:, :, :1].contiguous(), scale)
+                       layer.k_norm, cache[:, :, :1].contiguous(), scale, 0)
     with pytest.raises(RuntimeError, match="Q and K norms"):
         step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
-                       None, cache, scale)
+                       None, cache, scale, 0)
     with pytest.raises(RuntimeError, match="unknown weight kind"):
         step.add_layer(layer.input_norm, layer.post_norm, [7, *kinds[1:]], tensors, None,
-                       layer.q_norm, layer.k_norm, cache, scale)
+                       layer.q_norm, layer.k_norm, cache, scale, 0)

@@ -100,7 +100,18 @@ def test_paged_attention_decode_block_sizes(cache_cls, bs):
     check_paged_attention_decode(cache_cls, 32, 8, 64, [1, 40, 300, 1000], bs)
 
 
-def check_paged_attention_decode(cache_cls, h, hkv, d, ctx, bs):
+@pytest.mark.parametrize("cache_cls", [Fp32KVCache, Fp16KVCache, Bf16KVCache, Int8KVCache])
+@pytest.mark.parametrize("window", [1, 7, 16, 100, 2500])
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (32, 8, 64), (4, 1, 32)])
+def test_paged_attention_decode_sliding_window(cache_cls, window, h, hkv, d):
+    """A sliding window of W keys: each sequence's last W, from mid-block
+    (split into ranges of a long context, the first starting mid-block), as
+    the reference path's mask has it; contexts shorter than W see them all."""
+    for ctx in ([1, 16, 17, 45, 200, 3, 64, 33], [3000]):
+        check_paged_attention_decode(cache_cls, h, hkv, d, ctx, 16, window)
+
+
+def check_paged_attention_decode(cache_cls, h, hkv, d, ctx, bs, window=0):
     torch.manual_seed(2)
     nb = -(-max(ctx) // bs)
     tables = [list(range(i * nb, i * nb + -(-c // bs)))[::-1] for i, c in enumerate(ctx)]
@@ -111,9 +122,14 @@ def check_paged_attention_decode(cache_cls, h, hkv, d, ctx, bs):
     out = {}
     for fused in (False, True):
         g = build_group([1] * len(ctx), ctx, padded_block_table(tables, nb), bs, CPU,
-                        fused=fused)
+                        fused=fused, window=window)
         qf = q if fused else query_as(q, cache_cls)
-        out[fused] = paged_attention(qf, cache, AttentionMetadata(None, g, None), d**-0.5)
+        out[fused] = paged_attention(qf, cache, AttentionMetadata(None, g, None), d**-0.5,
+                                     window)
+    if 0 < window < max(ctx):  # the window hides keys: not full attention's output
+        g = build_group([1] * len(ctx), ctx, padded_block_table(tables, nb), bs, CPU, fused=True)
+        full = paged_attention(q, cache, AttentionMetadata(None, g, None), d**-0.5)
+        assert not torch.allclose(full, out[True], atol=1e-3)
     # Products of bf16 values are exact in fp32: a bf16 cache as close as the others.
     torch.testing.assert_close(out[True], out[False], atol=2e-5, rtol=1e-4)
 
@@ -128,6 +144,21 @@ def test_paged_attention_prefill_matches_gather_and_sdpa(cache_cls, h, hkv, d, c
     sequences in one flat batch, causal from each chunk's position: tiles of 16
     (token, query head) rows for groups of 3, 1, 4 and 8 query heads, and of
     one token's 16 heads for a group of 20; head size 32 on the portable loop."""
+    check_paged_attention_prefill(cache_cls, h, hkv, d, chunks)
+
+
+@pytest.mark.parametrize("cache_cls", [Fp32KVCache, Fp16KVCache, Bf16KVCache, Int8KVCache])
+@pytest.mark.parametrize("window", [1, 5, 20, 300])
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (40, 2, 64), (4, 1, 32)])
+def test_paged_attention_prefill_sliding_window(cache_cls, window, h, hkv, d):
+    """A sliding window of W keys: each query row sees its last W, so a tile's
+    rows start at different keys (rows of a tile whose first key lies past a
+    block see none of it) and a chunk of a long context skips its early blocks."""
+    check_paged_attention_prefill(cache_cls, h, hkv, d, [(5, 37), (17, 17), (1, 40)], window)
+    check_paged_attention_prefill(cache_cls, h, hkv, d, [(80, 700)], window)
+
+
+def check_paged_attention_prefill(cache_cls, h, hkv, d, chunks, window=0):
     torch.manual_seed(3)
     bs = 16
     ctx = [c for _, c in chunks]
@@ -141,9 +172,15 @@ def test_paged_attention_prefill_matches_gather_and_sdpa(cache_cls, h, hkv, d, c
     out = {}
     for fused in (False, True):
         g = build_group([n for n, _ in chunks], ctx, padded_block_table(tables, nb), bs, CPU,
-                        fused=fused)
+                        fused=fused, window=window)
         qf = q if fused else query_as(q, cache_cls)
-        out[fused] = paged_attention(qf, cache, AttentionMetadata(None, None, g), d**-0.5)
+        out[fused] = paged_attention(qf, cache, AttentionMetadata(None, None, g), d**-0.5,
+                                     window)
+    if 0 < window < max(ctx):  # the window hides keys: not full attention's output
+        g = build_group([n for n, _ in chunks], ctx, padded_block_table(tables, nb), bs, CPU,
+                        fused=True)
+        full = paged_attention(q, cache, AttentionMetadata(None, None, g), d**-0.5)
+        assert not torch.allclose(full, out[True], atol=1e-3)
     if (cache_cls is Bf16KVCache and d % 32 == 0
             and {"avx512_bf16", "avx512bw"} <= custom_ops.simd_features()):
         # The bf16 tiles round the probabilities to bf16 too (2^-9 relative):

@@ -257,8 +257,7 @@ inline float softmax_block(float* s, int64_t n, float& m, float& l) {
 }
 
 // One decode query per sequence against part of its paged context: the query
-// heads of KV heads [kv0, kv1) over tokens [start0, ctx) (whole blocks but the
-// last). A single pass, block by block, with an online softmax: each cache row
+// heads of KV heads [kv0, kv1) over tokens [start0, ctx). A single pass, block by block, with an online softmax: each cache row
 // (a slot's K and V heads, contiguous) is read from memory once, and the heads
 // sharing a KV head reuse it from L1. Leaves the running max m, sum l and
 // un-normalized numerator acc [nh, D] of each head for merge_partials.
@@ -301,8 +300,14 @@ void attend_range(const BlockKernels<KV>& kern, const float* q, int64_t q_head_s
       }
     }
     const int64_t n = std::min(ctx, blk1 * block_size) - blk0 * block_size;
+    // A range that starts mid-block (a sliding window's) masks the block's
+    // keys before it: their probabilities come out ~1e-38 (exp_approx's
+    // floor) and are zeroed before PV.
+    const int64_t skip = std::max<int64_t>(0, start0 - blk0 * block_size);
     for (int64_t h = 0; h < nh; h++) {
+      std::fill(sc + h * cs, sc + h * cs + skip, -INFINITY);
       const float alpha = softmax_block(sc + h * cs, n, m[h], l[h]);
+      std::fill(sc + h * cs, sc + h * cs + skip, 0.f);
       if (alpha != 1.f) {
         float* ah = acc + h * D;
 #pragma omp simd
@@ -362,6 +367,9 @@ struct DecodeAttention {
   const int32_t* lens;  // [B] context lengths
   int64_t B, hkv, group, D, block_size;
   float scale;
+  // A sliding window: each query attends to its last `window` keys (itself
+  // included, HF's q - k < W); 0: to its whole context.
+  int64_t window = 0;
   // The plan.
   int64_t heads_per_item = 1, kv_items = 1, splits = 1, split_tokens = 0, nh = 1, items = 0;
   int64_t total_ctx = 0;
@@ -381,8 +389,9 @@ struct DecodeAttention {
     int64_t max_ctx = 1;
     total_ctx = 0;
     for (int64_t b = 0; b < B; b++) {
-      total_ctx += lens[b];
-      max_ctx = std::max<int64_t>(max_ctx, lens[b]);
+      const int64_t keys = lens[b] - first_key(b);
+      total_ctx += keys;
+      max_ctx = std::max<int64_t>(max_ctx, keys);
     }
     // Ranges of a context the split may make (at least min_split_tokens each).
     const int64_t most = std::max<int64_t>(1, max_ctx / min_split_tokens);
@@ -397,7 +406,7 @@ struct DecodeAttention {
       splits = std::min(most, (4 * threads + B * kv_items - 1) / (B * kv_items));
       while (splits < most && (B * kv_items * splits) % threads) splits++;
     }
-    // Tokens per split: whole blocks, so a split never starts mid-block.
+    // Tokens per split: whole blocks (a split starts mid-block only in a window).
     const int64_t span = (max_ctx + splits - 1) / splits;
     split_tokens = (span + block_size - 1) / block_size * block_size;
     nh = heads_per_item * group;
@@ -407,12 +416,17 @@ struct DecodeAttention {
   // Floats of partials: per item m [nh], l [nh], acc [nh, D].
   int64_t partial_floats() const { return items * nh * (D + 2); }
 
+  // Sequence b's first key in its window.
+  int64_t first_key(int64_t b) const {
+    return window > 0 && lens[b] > window ? lens[b] - window : 0;
+  }
+
   // Item w against the cache [S, 2, Hkv, D] of this kind (int8 with kv_scale).
   void run_item(int64_t w, KVKind kind, const void* cache, const float* kv_scale, float* part,
                 std::vector<float>& buf) const {
     const int64_t split = w % splits, seq_item = w / splits;
     const int64_t b = seq_item / kv_items, kv0 = (seq_item % kv_items) * heads_per_item;
-    const int64_t lo = std::min<int64_t>(split * split_tokens, lens[b]);
+    const int64_t lo = std::min<int64_t>(first_key(b) + split * split_tokens, lens[b]);
     const int64_t hi = std::min<int64_t>(lo + split_tokens, lens[b]);
     float* m = part + w * nh * (D + 2);
     float* l = m + nh;
@@ -451,29 +465,30 @@ inline DecodeAttention decode_attention(const float* q, int64_t qs0, int64_t qs1
                                         int64_t H, int64_t hkv, int64_t D,
                                         const at::Tensor& block_tables,
                                         const at::Tensor& context_lens, int64_t block_size,
-                                        double scale) {
+                                        double scale, int64_t window) {
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                   context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(),
               "block_tables and context_lens must be contiguous int32");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && context_lens.numel() == B,
               "block_tables and context_lens must have a row per sequence");
   TORCH_CHECK(H % hkv == 0, "q and cache heads do not match");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   return DecodeAttention{q, qs0, qs1, block_tables.data_ptr<int32_t>(), block_tables.size(1),
                          context_lens.data_ptr<int32_t>(), B, hkv, H / hkv, D, block_size,
-                         static_cast<float>(scale)};
+                         static_cast<float>(scale), window};
 }
 
 at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& cache,
                                   const std::optional<at::Tensor>& cache_scale,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens,
-                                  int64_t block_size, double scale) {
+                                  int64_t block_size, double scale, int64_t window) {
   check_float_rows(q, "q");
   TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
   const KVKind kind = kv_kind(cache, cache_scale);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), hkv = cache.size(2);
   TORCH_CHECK(cache.size(3) == D, "q and cache head sizes do not match");
   auto att = decode_attention(q.data_ptr<float>(), q.stride(0), q.stride(1), B, H, hkv, D,
-                              block_tables, context_lens, block_size, scale);
+                              block_tables, context_lens, block_size, scale, window);
   att.plan(at::get_num_threads());
   auto out = at::empty({B, H * D}, q.options());
   std::vector<float> part(att.partial_floats());

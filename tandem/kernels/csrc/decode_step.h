@@ -36,6 +36,7 @@ struct StepLayer {
   at::Tensor cache, cache_scale;  // held: rope points into them
   KVKind kv;
   RopeAndCache rope;  // bound to this layer's cache (and int8's scales)
+  int64_t window = 0;  // a sliding window's keys, or 0
 };
 
 struct DecodeStep : torch::CustomClassHolder {
@@ -47,6 +48,7 @@ struct DecodeStep : torch::CustomClassHolder {
   StepMatmul lm_head{WeightKind::kDense, {}, {}, {}, 0, 0};
   at::Tensor embed, norm, cos, sin;  // embed: float32, or float16 in quantized models
   int64_t H, hkv = 0, D, hidden, inter, vocab = 0, block_size;
+  int64_t window_ = 0;  // the windowed layers' window (0: none has one)
   // Threads' shares of every layer matmul's outputs start on multiples of
   // this: the largest unit of any layer's weight format.
   int64_t unit = 1;
@@ -104,7 +106,7 @@ struct DecodeStep : torch::CustomClassHolder {
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<int64_t> kinds,
                  std::vector<at::Tensor> matmuls, std::optional<at::Tensor> qkv_bias,
                  std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
-                 at::Tensor cache, std::optional<at::Tensor> cache_scale) {
+                 at::Tensor cache, std::optional<at::Tensor> cache_scale, int64_t window) {
     TORCH_CHECK(kinds.size() == 4 && matmuls.size() == 12,
                 "DecodeStep: a layer has four matmuls (qkv, o, gate_up, down), three tensors "
                 "each");
@@ -116,7 +118,12 @@ struct DecodeStep : torch::CustomClassHolder {
     TORCH_CHECK(hkv > 0 && H % hkv == 0, "DecodeStep: query heads must be a multiple of KV "
                 "heads");
     const int64_t qkv_n = (H + 2 * hkv) * D;
+    // Every windowed layer has the same window (one attention plan serves them).
+    TORCH_CHECK(window >= 0 && (window == 0 || window_ == 0 || window == window_),
+                "DecodeStep: windowed layers must share one window");
     StepLayer l;
+    l.window = window;
+    if (window) window_ = window;
     l.input_norm = std::move(input_norm);
     l.post_norm = std::move(post_norm);
     dense(l.input_norm, hidden, 0, "input_norm");
@@ -183,8 +190,10 @@ struct DecodeStep : torch::CustomClassHolder {
     const int64_t qkv_n = (H + 2 * hkv) * D, threads = at::get_num_threads();
     std::vector<float> x(B * hidden), xn(threads * B * hidden), qkv_out(B * qkv_n),
         attn(threads * B * H * D), gu(B * 2 * inter), act(B * inter);
+    // Full-context layers' attention plan, and windowed layers' (their items
+    // cover each sequence's last window_ keys).
     auto att = decode_attention(qkv_out.data(), qkv_n, D, B, H, hkv, D, block_tables,
-                                context_lens, block_size, scale);
+                                context_lens, block_size, scale, 0);
     const int64_t max_blocks = num_slots / block_size;
     for (int64_t i = 0; i < block_tables.numel(); i++)
       TORCH_CHECK(att.tables[i] >= 0 && att.tables[i] < max_blocks, "block id out of range");
@@ -192,7 +201,10 @@ struct DecodeStep : torch::CustomClassHolder {
       TORCH_CHECK(att.lens[b] >= 1 && att.lens[b] <= att.nb * block_size,
                   "context length out of range of its block table");
     att.plan(threads, kMinSplitTokens);
-    std::vector<float> part(att.partial_floats());
+    DecodeAttention att_w = att;
+    att_w.window = window_;
+    if (window_) att_w.plan(threads, kMinSplitTokens);
+    std::vector<float> part(std::max(att.partial_floats(), att_w.partial_floats()));
     std::vector<float> best_v(threads * B, -INFINITY);
     std::vector<int64_t> best_i(threads * B, -1);
     auto logits = at::empty({B, vocab}, norm.options());
@@ -250,10 +262,11 @@ struct DecodeStep : torch::CustomClassHolder {
           }
         }
 #pragma omp barrier
+        const DecodeAttention& la = L.window ? att_w : att;
 #pragma omp for schedule(static)
-        for (int64_t w = 0; w < att.items; w++)
-          att.run_item(w, L.kv, L.cache.data_ptr(), rope.cache_s, part.data(), buf);
-        for (int64_t s = 0; s < B * att.kv_items; s++) att.merge(s, part.data(), attn_t);
+        for (int64_t w = 0; w < la.items; w++)
+          la.run_item(w, L.kv, L.cache.data_ptr(), rope.cache_s, part.data(), buf);
+        for (int64_t s = 0; s < B * la.kv_items; s++) la.merge(s, part.data(), attn_t);
         L.o.prepare(attn_t, H * D, B, in);
         L.o.apply(in, h0, h1, nullptr, true, x.data(), hidden);
 #pragma omp barrier

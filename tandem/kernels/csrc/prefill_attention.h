@@ -1,6 +1,7 @@
 // Prefill attention over the paged KV cache: each sequence's new queries (the
 // last q_len of its ctx tokens, already written to the cache) attend causally
-// to its context, reading K/V through the block table.
+// to its context (or, in a sliding window of W, to their last W keys),
+// reading K/V through the block table.
 //
 // It replaces a gather of each context into a padded fp32 copy and torch's
 // SDPA with an additive mask, which ran at 60-105 GFLOP/s here (2-vCPU Zen 4;
@@ -41,37 +42,43 @@ struct PrefillTile {
   float* ot;  // [D][16] their un-normalized outputs, transposed
   float m[16], l[16];
   int32_t limit[16];  // the last key position each row sees (padding lanes: the last row's)
+  int32_t first[16];  // the first (0 but in a sliding window); lanes ascend in both
   int64_t rows, keys;
 };
 
 #ifdef __AVX512F__
-// The causal mask on a block's scores sc [n][16] (in blocks that reach past a
-// row's position) and the rows' new max; where a row's max grew, its sum and
-// outputs are rescaled. Returns the max, which t.m then holds.
+// The causal mask (and a window's) on a block's scores sc [n][16], in blocks
+// that reach past a row's position or before its first key, and the rows' new
+// max; where a row's max grew, its sum and outputs are rescaled. Returns the
+// max to subtract, which t.m then holds: -FLT_MAX for a row that has seen no
+// key yet (a window's row whose first key lies past this block), so that its
+// masked scores come out ~1e-38 (exp_approx's floor), not NaN.
 inline __m512 block_softmax(PrefillTile& t, int64_t n, int64_t k0, int64_t D, float* sc) {
-  const __m512i lim = _mm512_loadu_si512(t.limit);
+  const __m512i lim = _mm512_loadu_si512(t.limit), first = _mm512_loadu_si512(t.first);
   const __m512 lowest = _mm512_set1_ps(-INFINITY);
   const __m512 mold = _mm512_loadu_ps(t.m);
   __m512 mv = mold;
-  const bool masked = k0 + n - 1 > t.limit[0];
+  const bool masked = k0 + n - 1 > t.limit[0] || k0 < t.first[15];
   for (int64_t o = 0; o < n; o++) {
     __m512 s = _mm512_load_ps(sc + o * 16);
     if (masked) {
-      const __mmask16 past =
-          _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(k0 + o)), lim);
-      s = _mm512_mask_mov_ps(s, past, lowest);
+      const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(k0 + o));
+      const __mmask16 out =
+          _mm512_cmpgt_epi32_mask(key, lim) | _mm512_cmplt_epi32_mask(key, first);
+      s = _mm512_mask_mov_ps(s, out, lowest);
       _mm512_store_ps(sc + o * 16, s);
     }
     mv = _mm512_max_ps(mv, s);
   }
+  const __m512 base = _mm512_max_ps(mv, _mm512_set1_ps(-FLT_MAX));
   if (_mm512_cmp_ps_mask(mv, mold, _CMP_GT_OQ)) {
-    const __m512 alpha = exp_approx16(_mm512_sub_ps(mold, mv));
+    const __m512 alpha = exp_approx16(_mm512_sub_ps(mold, base));  // -inf - -inf: NaN
     _mm512_storeu_ps(t.l, _mm512_mul_ps(_mm512_loadu_ps(t.l), alpha));
     for (int64_t d = 0; d < D; d++)
       _mm512_store_ps(t.ot + d * 16, _mm512_mul_ps(_mm512_load_ps(t.ot + d * 16), alpha));
     _mm512_storeu_ps(t.m, mv);
   }
-  return mv;
+  return base;
 }
 #endif
 
@@ -128,7 +135,7 @@ inline void tile_block(PrefillTile& t, const float* kb, const float* vb, int64_t
     for (int64_t o = 0; o < n; o++) {
       float s = 0.f;
       for (int64_t d = 0; d < D; d++) s += qt[d * 16 + i] * kb[o * D + d];
-      sc[o * 16 + i] = k0 + o > t.limit[i] ? -INFINITY : s;
+      sc[o * 16 + i] = k0 + o > t.limit[i] || k0 + o < t.first[i] ? -INFINITY : s;
       bm = std::max(bm, sc[o * 16 + i]);
     }
     if (bm > t.m[i]) {
@@ -137,8 +144,9 @@ inline void tile_block(PrefillTile& t, const float* kb, const float* vb, int64_t
       for (int64_t d = 0; d < D; d++) ot[d * 16 + i] *= alpha;
       t.m[i] = bm;
     }
+    const float base = std::max(t.m[i], -FLT_MAX);  // as block_softmax's
     for (int64_t o = 0; o < n; o++) {
-      const float p = exp_approx(sc[o * 16 + i] - t.m[i]);
+      const float p = exp_approx(sc[o * 16 + i] - base);
       t.l[i] += p;
       for (int64_t d = 0; d < D; d++) ot[d * 16 + i] += p * vb[o * D + d];
     }
@@ -259,7 +267,7 @@ template <typename KV>
 void prefill_item(const PrefillItem& it, const float* q, int64_t qs0, int64_t qs1, const KV* cache,
                   const float* kv_scale, const int32_t* table, int64_t ctx, int64_t qlen,
                   int64_t q0, int64_t hkv, int64_t G, int64_t D, int64_t block_size, float scale,
-                  float* out, std::vector<float>& buf) {
+                  int64_t window, float* out, std::vector<float>& buf) {
   const int64_t per_tile = 16 / it.gn, ntiles = (it.tokens + per_tile - 1) / per_tile;
   const int64_t slot_stride = 2 * hkv * D;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -297,6 +305,7 @@ void prefill_item(const PrefillItem& it, const float* q, int64_t qs0, int64_t qs
       const int64_t r = i < t.rows ? i : t.rows - 1, j = it.j0 + k * per_tile + r / it.gn;
       const int64_t h = it.kvh * G + it.g0 + r % it.gn;
       t.limit[i] = static_cast<int32_t>(ctx - qlen + j);
+      t.first[i] = window > 0 ? std::max<int32_t>(0, t.limit[i] - window + 1) : 0;
       if (i < t.rows)
         for (int64_t d = 0; d < D; d++)
           t.qt[d * 16 + i] = query_as<KV>(q[(q0 + j) * qs0 + h * qs1 + d]) * qscale;
@@ -310,8 +319,11 @@ void prefill_item(const PrefillItem& it, const float* q, int64_t qs0, int64_t qs
                                                             _mm512_load_ps(t.qt + (d + 1) * 16)));
 #endif
   }
-  for (int64_t k0 = 0; k0 < keys; k0 += block_size) {
+  // Blocks from the one holding the first tile's first key (0 without a window).
+  for (int64_t k0 = tiles[0].first[0] / block_size * block_size; k0 < keys; k0 += block_size) {
     const int64_t n = std::min(block_size, keys - k0);
+    // A tile takes the blocks from its first row's first key to its last row's key.
+    auto sees = [&](const PrefillTile& t) { return k0 < t.keys && k0 + n > t.first[0]; };
     const int64_t base = static_cast<int64_t>(table[k0 / block_size]) * block_size;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if constexpr (std::is_same_v<KV, at::BFloat16>) {
@@ -319,7 +331,7 @@ void prefill_item(const PrefillItem& it, const float* q, int64_t qs0, int64_t qs
         const at::BFloat16* rows = cache + base * slot_stride + it.kvh * D;
         stage_bf16_values(rows + hkv * D, n, slot_stride, D, vp);
         for (int64_t k = 0; k < ntiles; k++)
-          if (k0 < tiles[k].keys)
+          if (sees(tiles[k]))
             tile_block_bf16(tiles[k], qp + k * D * 8, reinterpret_cast<const uint32_t*>(rows),
                             slot_stride / 2, vp, std::min(n, tiles[k].keys - k0), k0, D, scale,
                             sc, pp);
@@ -334,7 +346,7 @@ void prefill_item(const PrefillItem& it, const float* q, int64_t qs0, int64_t qs
       widen_row(row + hkv * D, s ? s[hkv] : 1.f, D, vb + o * D);
     }
     for (int64_t k = 0; k < ntiles; k++)
-      if (k0 < tiles[k].keys)
+      if (sees(tiles[k]))
         tile_block(tiles[k], kb, vb, std::min(n, tiles[k].keys - k0), k0, D, sc);
   }
   for (int64_t k = 0; k < ntiles; k++) {
@@ -354,13 +366,14 @@ at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& cache,
                                    const std::optional<at::Tensor>& cache_scale,
                                    const at::Tensor& block_tables, const at::Tensor& context_lens,
                                    const at::Tensor& query_starts, int64_t block_size,
-                                   double scale) {
+                                   double scale, int64_t window) {
   check_float_rows(q, "q");
   TORCH_CHECK(q.dim() == 3, "q must be [T, H, D]");
   const KVKind kind = kv_kind(cache, cache_scale);
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), hkv = cache.size(2);
   TORCH_CHECK(cache.size(3) == D, "q and cache head sizes do not match");
   TORCH_CHECK(H % hkv == 0, "q and cache heads do not match");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                   context_lens.scalar_type() == at::kInt && context_lens.is_contiguous() &&
                   query_starts.scalar_type() == at::kInt && query_starts.is_contiguous(),
@@ -409,8 +422,8 @@ at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& cache,
       const int64_t qlen = starts[it.b + 1] - starts[it.b];
       auto run = [&](const auto* kv) {
         prefill_item(it, qp, q.stride(0), q.stride(1), kv, sp, tables + it.b * nb, lens[it.b],
-                     qlen, starts[it.b], hkv, G, D, block_size, static_cast<float>(scale), op,
-                     buf);
+                     qlen, starts[it.b], hkv, G, D, block_size, static_cast<float>(scale),
+                     window, op, buf);
       };
       switch (kind) {
         case KVKind::kFloat:
