@@ -36,6 +36,7 @@ FORMAT_VERSION = 3
 
 _ARCHITECTURES = {
     # GGUF general.architecture -> (HF model_type, HF architectures[0])
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),  # its text model (vision: a separate file)
     "llama": ("llama", "LlamaForCausalLM"),  # also Mistral's: llama.cpp writes it as llama
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
@@ -86,6 +87,14 @@ _PHI3_LAYER_NAMES = {
     **{k: v for k, v in _LAYER_NAMES.items() if k != "ffn_up.weight"},
     "attn_qkv.weight": "self_attn.qkv_proj.weight",
     "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
+# Gemma 3 norms each block's input and output: ffn_norm is the MLP's input norm
+# (HF's pre_feedforward_layernorm), post_attention_norm attention's output's.
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -250,7 +259,9 @@ def _convert_unchecked(src: Path, dest: Path, weights: bool) -> None:
     reader, config, names = _checked(src)
     _write_tokenizer(src, dest)  # first: the likelier failure, and cheaper than the weights
     if weights:
-        _write_safetensors(dest / "model.safetensors", src, names)
+        # HF's Gemma norms hold w where llama.cpp's file holds 1 + w.
+        shift = 1.0 if config["architectures"] == ["Gemma3ForCausalLM"] else 0.0
+        _write_safetensors(dest / "model.safetensors", src, names, norm_shift=shift)
     (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tensors = {hf: [asdict(StoredTensor.of(t)), heads] for hf, (t, heads) in names.items()}
     (dest / TENSORS_FILE).write_text(json.dumps(tensors) + "\n")
@@ -362,8 +373,17 @@ def _hf_config(reader, arch: str, tensors: dict, src: Path) -> tuple[dict, str |
     if rope_dims is not None and int(rope_dims) != head_dim:
         config["partial_rotary_factor"] = int(rope_dims) / head_dim
     window = get("attention.sliding_window")
-    if arch == "phi3" and window:  # 0: none (Phi-4); llama.cpp reads it for phi3 alone
+    if arch in ("phi3", "gemma3") and window:  # phi3's 0: none (Phi-4); llama's: not read
         config["sliding_window"] = int(window)
+    if arch == "gemma3":
+        # What llama.cpp assumes of a gemma3 file: every 6th layer global, the
+        # others windowed with RoPE base 10000; queries scaled by the head size,
+        # but the 27B's (62 layers) by hidden / heads.
+        config.update(
+            hidden_activation="gelu_pytorch_tanh", sliding_window_pattern=6,
+            rope_local_base_freq=10000.0,
+            query_pre_attn_scalar=hidden // n_heads if n_layers == 62 else head_dim)
+        del config["hidden_act"]
     special = (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding"))
     for key, name in special:
         value = _field(reader, f"tokenizer.ggml.{name}_token_id")
@@ -434,7 +454,8 @@ def _tensor_names(tensors: dict, config: dict, arch: str, src: Path, skip: set) 
     """{hf_name: (tensor, heads)} for every tensor, checked against what the model
     needs; heads: llama's Q/K rows to unpermute (their head count), else None."""
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
-    layer_names = _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
+    layer_names = {"phi3": _PHI3_LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES}.get(arch,
+                                                                                _LAYER_NAMES)
     names, unknown = {}, []
     for gname, t in tensors.items():
         if gname in skip:
@@ -476,8 +497,10 @@ def _expected_names(config: dict, arch: str) -> set[str]:
     }
     if arch == "qwen2":
         layer |= {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"}
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         layer |= {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+    if arch == "gemma3":
+        layer |= {"pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"}
     if arch == "phi3":
         layer -= {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                   "mlp.gate_proj.weight", "mlp.up_proj.weight"}
@@ -490,8 +513,9 @@ def _expected_names(config: dict, arch: str) -> set[str]:
     return names
 
 
-def _write_safetensors(path: Path, src: Path, names: dict) -> None:
-    """Stream a float32 safetensors file: one dequantized tensor in memory at a time.
+def _write_safetensors(path: Path, src: Path, names: dict, norm_shift: float = 0.0) -> None:
+    """Stream a float32 safetensors file: one dequantized tensor in memory at a time
+    (norm weights less ``norm_shift``).
 
     safetensors' own save_file wants the whole state dict in memory (2.5 GB for
     the 0.5B model); the format is a JSON header of offsets then raw bytes, so
@@ -508,8 +532,10 @@ def _write_safetensors(path: Path, src: Path, names: dict) -> None:
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for t, heads in names.values():
+        for name, (t, heads) in names.items():
             w = _dequantized(src, StoredTensor.of(t), heads, t.data)
+            if norm_shift and name.endswith("norm.weight"):
+                w = w - np.float32(norm_shift)
             f.write(np.ascontiguousarray(w, dtype="<f4").data)
 
 
@@ -568,6 +594,9 @@ class GGUFWeights:
     for the file, the tensors' places come from its cached list instead of a
     parse of the file's metadata.
     """
+
+    # llama.cpp's converter writes Gemma's RMSNorm weights as 1 + w (what they multiply by).
+    norms_plus_one = True
 
     def __init__(self, src: Path, converted: Path | None = None) -> None:
         self.src = src

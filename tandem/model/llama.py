@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, SmolLM), Mistral, Phi-3, Qwen2 (q/k/v bias), Qwen3 (q/k norm).
+"""The Llama family (Llama 2/3, SmolLM), Mistral, Phi-3, Qwen2 (q/k/v bias), Qwen3 (q/k norm),
+Gemma 3 (GeGLU, norms on each block's output too, a scaled embedding, local and global RoPE).
 
 Written for the serving hot path, not for training: the batch is one flat
 sequence of tokens from many requests ([T, hidden]); Q/K/V and gate/up are
@@ -30,14 +31,18 @@ from tandem.model.kv_cache import KVCache
 from tandem.model.linear import DenseLinear, Linear
 
 # HF architecture -> family. All share one layout; Phi-3's checkpoints hold
-# Q/K/V and gate/up already fused (qkv_proj, gate_up_proj).
+# Q/K/V and gate/up already fused (qkv_proj, gate_up_proj); Gemma 3 adds to it
+# (ModelConfig's activation, embed_scale, sandwich_norms, local_rope_theta).
 SUPPORTED_ARCHITECTURES = {
+    "Gemma3ForCausalLM": "gemma3",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Phi3ForCausalLM": "phi3",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+# The gated MLP's activation by HF name -> tandem's (the kernels' Activation order).
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 @dataclass
@@ -45,7 +50,8 @@ class ModelConfig:
     """The few fields of an HF config.json the model needs.
 
     ``sliding_window``: the window (W keys) of the layers in ``sliding_layers``
-    (see _sliding_window); None when no layer's window hides a key.
+    (see _sliding_window); None when no layer's window hides a key (the layers
+    still rotate by ``local_rope_theta`` where the model has one).
     """
 
     architecture: str
@@ -67,6 +73,12 @@ class ModelConfig:
     eos_token_id: int | list[int] | None
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    # Gemma 3's differences from the Llama layout (the defaults are Llama's):
+    activation: str = "silu"  # the gated MLP's: "silu" or "gelu_tanh" (GeGLU)
+    embed_scale: float = 1.0  # the embedding rows times this (Gemma: sqrt(hidden))
+    sandwich_norms: bool = False  # RMSNorm on attention's and the MLP's outputs too
+    attn_scale: float | None = None  # query scale; None: head_dim ** -0.5
+    local_rope_theta: float | None = None  # windowed layers' RoPE base, unscaled (None: global)
 
     @property
     def family(self) -> str:
@@ -88,16 +100,33 @@ class ModelConfig:
                 + ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             )
         family = SUPPORTED_ARCHITECTURES[arch]
-        act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"{arch}: hidden_act {act!r} is not supported (tandem runs SiLU)")
+        gemma = family == "gemma3"
+        field = "hidden_activation" if gemma else "hidden_act"
+        act = cfg.get(field) or ("gelu_pytorch_tanh" if gemma else "silu")
+        if ACTIVATIONS.get(act) != ("gelu_tanh" if gemma else "silu"):
+            raise ValueError(f"{arch}: {field} {act!r} is not supported (tandem runs "
+                             f"{'GELU-tanh' if gemma else 'SiLU'} in this family)")
         if cfg.get("mlp_bias"):
             raise ValueError(f"{arch}: mlp_bias is not supported")
+        for feature in ("attn_logit_softcapping", "final_logit_softcapping",
+                        "use_bidirectional_attention"):
+            if cfg.get(feature):
+                raise ValueError(f"{arch}: {feature} is not supported")
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
-            # transformers 5 writes rope_theta and any scaling into rope_parameters.
+            # transformers 5 writes rope_theta and any scaling into rope_parameters
+            # (Gemma 3: one set per layer type; its windowed layers' is local).
             rope_params = dict(cfg.get("rope_parameters") or {})
+            local_theta = None
+            if gemma:
+                local = dict(rope_params.pop("sliding_attention", None) or {
+                    "rope_theta": cfg.get("rope_local_base_freq", 10000.0)})
+                rope_params = dict(rope_params.pop("full_attention", None) or rope_params)
+                if (local.get("rope_type") or local.get("type")) not in (None, "default"):
+                    raise ValueError(f"{arch}: scaled RoPE in windowed layers is not supported")
+                local_theta = float(local.get("rope_theta", 10000.0))
+                rope_params.setdefault("rope_theta", 1_000_000.0)
             rope_theta = rope_params.pop("rope_theta", 10000.0)
             if cfg.get("rope_theta") is not None:
                 rope_theta = cfg["rope_theta"]
@@ -112,7 +141,7 @@ class ModelConfig:
             max_pos = int(cfg.get("max_position_embeddings", 4096))
             window, sliding = _sliding_window(cfg, family)
             if window is not None and window >= max_pos:  # hides no key of any context
-                window, sliding = None, ()
+                window = None
             c = cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -127,12 +156,18 @@ class ModelConfig:
                 max_position_embeddings=max_pos,
                 tie_word_embeddings=tie_word_embeddings(cfg, family),
                 attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
-                qk_norm=family == "qwen3",
+                qk_norm=family in ("qwen3", "gemma3"),
                 rope_scaling=rope_scaling,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_id=cfg.get("eos_token_id"),
                 sliding_window=window,
                 sliding_layers=sliding,
+                activation=ACTIVATIONS[act],
+                embed_scale=math.sqrt(hidden) if gemma else 1.0,
+                sandwich_norms=gemma,
+                attn_scale=(float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5
+                            if gemma else None),
+                local_rope_theta=local_theta,
             )
             rope_inv_freq(c)  # an unsupported rope_scaling fails here, before any weight is read
             return c
@@ -146,13 +181,20 @@ def _sliding_window(cfg: dict, family: str) -> tuple[int | None, tuple[int, ...]
 
     HF's Mistral and Phi-3 window every layer when ``sliding_window`` is set;
     Qwen2/Qwen3 only with ``use_sliding_window``, and only the layers from
-    ``max_window_layers`` on (``layer_types`` in transformers 5); Llama never.
+    ``max_window_layers`` on (``layer_types`` in transformers 5); Gemma 3 the
+    "sliding_attention" ones of ``layer_types``, else all but every
+    ``sliding_window_pattern``-th (6); Llama never.
     """
     window, n = cfg.get("sliding_window"), int(cfg["num_hidden_layers"])
     if family == "llama" or not window:
         return None, ()
     layers: tuple[int, ...] = tuple(range(n))
-    if family in ("qwen2", "qwen3"):
+    if family == "gemma3":
+        types = cfg.get("layer_types")
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        layers = tuple(i for i in range(n) if (
+            types[i] == "sliding_attention" if types is not None else (i + 1) % pattern))
+    elif family in ("qwen2", "qwen3"):
         if not cfg.get("use_sliding_window"):
             return None, ()
         types = cfg.get("layer_types")
@@ -163,11 +205,13 @@ def _sliding_window(cfg: dict, family: str) -> tuple[int | None, tuple[int, ...]
     return (int(window), layers) if layers else (None, ())
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """RoPE inverse frequencies, with Llama 3's frequency-dependent scaling."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """RoPE inverse frequencies, with Llama 3's frequency-dependent scaling;
+    ``local``: of the windowed layers' own unscaled base (Gemma 3)."""
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    rs = cfg.rope_scaling or {}
+    theta = cfg.local_rope_theta if local else cfg.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = {} if local else cfg.rope_scaling or {}
     kind = rs.get("rope_type") or rs.get("type")
     if kind == "llama3":
         factor = rs["factor"]
@@ -197,8 +241,12 @@ class Layer:
         self.gate_up: Linear = w["gate_up"]  # hidden -> 2 * inter
         self.down: Linear = w["down"]  # inter -> hidden
         self.window: int = w.get("window", 0)  # sliding window keys (0: full attention)
+        self.local_rope: bool = w.get("local_rope", False)  # the windowed layers' RoPE tables
         self.q_norm = w.get("q_norm")
         self.k_norm = w.get("k_norm")
+        # Gemma's norms on the attention and MLP outputs, before each residual add.
+        self.attn_out_norm = w.get("attn_out_norm")
+        self.mlp_out_norm = w.get("mlp_out_norm")
 
 
 class ReferenceOps:
@@ -210,9 +258,11 @@ class ReferenceOps:
         return F.rms_norm(x, (x.shape[-1],), w, eps)
 
     @staticmethod
-    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         gate, up = gate_up.chunk(2, -1)
-        return F.silu(gate) * up
+        if activation == "silu":
+            return F.silu(gate) * up
+        return F.gelu(gate, approximate="tanh") * up
 
     @staticmethod
     def rope(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple:
@@ -232,6 +282,10 @@ class ReferenceOps:
         return qk[:, :h]
 
 
+# ModelConfig.activation -> the kernels' Activation (layer_ops.h).
+KERNEL_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
 class FusedOps(ReferenceOps):
     """tandem's CPU kernels (fp32), each replacing several torch ops per layer."""
 
@@ -242,8 +296,8 @@ class FusedOps(ReferenceOps):
         return torch.ops.tandem.rms_norm(x, w, eps)
 
     @staticmethod
-    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        return torch.ops.tandem.silu_and_mul(gate_up)
+    def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+        return torch.ops.tandem.act_and_mul(gate_up, KERNEL_ACTIVATIONS[activation])
 
     @staticmethod
     def rope(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple:
@@ -265,19 +319,31 @@ class LlamaModel:
         self.cfg = cfg
         self.eps = cfg.rms_norm_eps
         self.h, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.scale = self.d**-0.5
+        self.scale = cfg.attn_scale or self.d**-0.5
         self.embed = weights["embed"]  # [vocab, hidden]
         self.norm = weights["norm"]
         self.lm_head: Linear = weights["lm_head"]  # dense, or int8 in quantized models
-        self.layers = [Layer({**w, "window": cfg.layer_window(i)})
+        local = cfg.local_rope_theta is not None
+        self.layers = [Layer({**w, "window": cfg.layer_window(i),
+                              "local_rope": local and i in cfg.sliding_layers})
                        for i, w in enumerate(weights["layers"])]
         self.window = cfg.sliding_window or 0  # the windowed layers' (build_group's window)
         dev, dt = self.norm.device, self.norm.dtype
         pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)
-        freqs = torch.outer(pos, rope_inv_freq(cfg))  # [P, D/2]
-        # rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]: one op fewer than cat.
-        self.cos = torch.cat((freqs.cos(), freqs.cos()), -1).to(dev, dt)
-        self.sin = torch.cat((-freqs.sin(), freqs.sin()), -1).to(dev, dt)
+
+        def tables(inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            freqs = torch.outer(pos, inv_freq)  # [P, D/2]
+            # rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]: one op fewer than cat.
+            return (torch.cat((freqs.cos(), freqs.cos()), -1).to(dev, dt),
+                    torch.cat((-freqs.sin(), freqs.sin()), -1).to(dev, dt))
+
+        self.cos, self.sin = tables(rope_inv_freq(cfg))
+        # In the model's dtype, as HF rounds Gemma's sqrt(hidden) (bf16: 2048 ** 0.5 -> 45.25).
+        self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=dt, device=dev)
+                            if cfg.embed_scale != 1.0 else None)
+        # Gemma 3's windowed layers rotate by their own base (else the same tables).
+        self.cos_local, self.sin_local = (tables(rope_inv_freq(cfg, local=True)) if local
+                                          else (self.cos, self.sin))
         # Which implementation of the small ops runs (tests flip it to compare paths).
         self.fused = dev.type == "cpu" and dt == torch.float32 and custom_ops.available()
 
@@ -304,18 +370,30 @@ class LlamaModel:
         t = input_ids.shape[0]
         ops = FusedOps if self.fused else ReferenceOps
         rope = ops.rope(self.cos, self.sin, positions)
+        rope_local = (ops.rope(self.cos_local, self.sin_local, positions)
+                      if self.cos_local is not self.cos else rope)
         x = self.embed.index_select(0, input_ids).to(self.dtype)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        act = self.cfg.activation
         slots = meta.slot_mapping
         for layer, cache in zip(self.layers, kv_caches):
             qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, eps)).view(t, h + 2 * hkv, d)
             if layer.q_norm is not None:  # a fresh tensor: normalized in place
                 qkv[:, :h] = ops.rms_norm(qkv[:, :h], layer.q_norm, eps)
                 qkv[:, h : h + hkv] = ops.rms_norm(qkv[:, h : h + hkv], layer.k_norm, eps)
-            q = ops.rope_and_cache(qkv, rope, h, hkv, cache, slots)
+            q = ops.rope_and_cache(qkv, rope_local if layer.local_rope else rope, h, hkv, cache,
+                                   slots)
             attn = paged_attention(q, cache, meta, self.scale, layer.window)
-            x = layer.o.add(x, attn)
-            x = layer.down.add(x, ops.silu_and_mul(
-                layer.gate_up(ops.rms_norm(x, layer.post_norm, eps))))
+            mlp_in = layer.post_norm
+            if layer.attn_out_norm is None:
+                x = layer.o.add(x, attn)
+                x = layer.down.add(x, ops.act_and_mul(
+                    layer.gate_up(ops.rms_norm(x, mlp_in, eps)), act))
+            else:  # the residual adds what the output norms make of each block's output
+                x = x + ops.rms_norm(layer.o(attn), layer.attn_out_norm, eps)
+                y = layer.down(ops.act_and_mul(layer.gate_up(ops.rms_norm(x, mlp_in, eps)), act))
+                x = x + ops.rms_norm(y, layer.mlp_out_norm, eps)
         if logits_indices is None:
             return None
         x = ops.rms_norm(x.index_select(0, logits_indices), self.norm, eps)
@@ -325,7 +403,9 @@ class LlamaModel:
     def nbytes(self) -> int:
         """Bytes the weights occupy (a tied LM head is the embedding itself)."""
         norms = self.norm.numel() + sum(
-            layer.input_norm.numel() + layer.post_norm.numel() for layer in self.layers
+            n.numel() for layer in self.layers
+            for n in (layer.input_norm, layer.post_norm, layer.attn_out_norm, layer.mlp_out_norm)
+            if n is not None
         )
         head = self.lm_head
         tied = isinstance(head, DenseLinear) and head.w.data_ptr() == self.embed.data_ptr()

@@ -79,6 +79,7 @@ class SafetensorsWeights:
     """An HF directory's safetensors tensors by name, each read when taken."""
 
     quantized = False
+    norms_plus_one = False  # Gemma's RMSNorm weights are stored as HF has them: w, not 1 + w
 
     def __init__(self, model_dir: Path) -> None:
         files = sorted(model_dir.glob("*.safetensors"))
@@ -105,6 +106,7 @@ class DummyWeights:
     made when taken (seeded by name, so the order of taking does not matter)."""
 
     quantized = False
+    norms_plus_one = True  # norms of 1 are what every family's norms multiply by
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, seed: int) -> None:
         self.dtype, self.seed = dtype, seed
@@ -134,6 +136,9 @@ class DummyWeights:
             s[p + "mlp.down_proj.weight"] = (hidden, inter)
             s[p + "input_layernorm.weight"] = (hidden,)
             s[p + "post_attention_layernorm.weight"] = (hidden,)
+            if cfg.sandwich_norms:
+                s[p + "pre_feedforward_layernorm.weight"] = (hidden,)
+                s[p + "post_feedforward_layernorm.weight"] = (hidden,)
         self._shapes = s
         self.num_tensors = len(s)
         self.nbytes = 0
@@ -230,6 +235,13 @@ def fuse_weights(
             t = t.dequantize()
         return t.to(device=device, dtype=dtype).contiguous()
 
+    # Gemma's RMSNorm multiplies by 1 + w; the model multiplies by what it holds.
+    shift = 1.0 if cfg.family == "gemma3" and not src.norms_plus_one else 0.0
+
+    def norm(name: str) -> torch.Tensor:
+        t = take(name).float()
+        return put(t + shift if shift else t)
+
     # Matmul weights on CPU go to huge pages: decode streams them faster
     # (tandem/model/hugepages.py); quantized ones are packed straight there.
     arena = HugePageArena() if device.type == "cpu" else None
@@ -318,17 +330,22 @@ def fuse_weights(
             "o": lin([take(a + "o_proj.weight")]),
             "gate_up": lin(gate_up),
             "down": lin([take(m + "down_proj.weight")]),
-            "input_layernorm": put(take(p + "input_layernorm.weight")),
-            "post_attention_layernorm": put(take(p + "post_attention_layernorm.weight")),
+            "input_layernorm": norm(p + "input_layernorm.weight"),
         }
+        if cfg.sandwich_norms:  # Gemma: HF's post_attention_layernorm is attention's output's
+            w["post_attention_layernorm"] = norm(p + "pre_feedforward_layernorm.weight")
+            w["attn_out_norm"] = norm(p + "post_attention_layernorm.weight")
+            w["mlp_out_norm"] = norm(p + "post_feedforward_layernorm.weight")
+        else:  # the MLP's input norm, in Llama's name
+            w["post_attention_layernorm"] = norm(p + "post_attention_layernorm.weight")
         if cfg.qk_norm:
-            w["q_norm"] = put(take(a + "q_norm.weight"))
-            w["k_norm"] = put(take(a + "k_norm.weight"))
+            w["q_norm"] = norm(a + "q_norm.weight")
+            w["k_norm"] = norm(a + "k_norm.weight")
         layers.append(w)
         release_free_memory()
         progress.step()
     progress.close()
-    return {"embed": embed, "norm": put(take("model.norm.weight")), "lm_head": lm_head,
+    return {"embed": embed, "norm": norm("model.norm.weight"), "lm_head": lm_head,
             "layers": layers}
 
 

@@ -19,7 +19,7 @@ import logging
 import torch
 
 from tandem.model.kv_cache import KVCache
-from tandem.model.llama import LlamaModel
+from tandem.model.llama import KERNEL_ACTIVATIONS, LlamaModel
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +45,16 @@ class DecodeStep:
             cfg.intermediate_size, block_size, model.eps)
         kind, tensors = model.lm_head.step_args
         step.set_lm_head(int(kind), *tensors, cfg.vocab_size)
+        if (cfg.activation != "silu" or cfg.embed_scale != 1.0 or cfg.attn_scale is not None
+                or model.cos_local is not model.cos):  # Gemma 3's differences
+            step.set_variant(KERNEL_ACTIVATIONS[cfg.activation], cfg.embed_scale, model.scale,
+                             model.cos_local, model.sin_local)
         for layer, cache in zip(model.layers, kv_caches):
             args = [lin.step_args for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             step.add_layer(layer.input_norm, layer.post_norm, [int(k) for k, _ in args],
                            [t for _, tensors in args for t in tensors], layer.qkv.bias,
-                           layer.q_norm, layer.k_norm, *cache.kernel_args, layer.window)
+                           layer.q_norm, layer.k_norm, *cache.kernel_args, layer.window,
+                           layer.attn_out_norm, layer.mlp_out_norm, layer.local_rope)
         self._step = step
 
     @classmethod

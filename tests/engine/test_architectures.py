@@ -1,5 +1,5 @@
-"""Llama, Mistral, Phi-3, Qwen2 (q/k/v biases) and Qwen3 (q/k norms) against HF on tiny
-random models, through the one-call decode step, the per-op CPU kernels and the torch
+"""Llama, Mistral, Phi-3, Qwen2 (q/k/v biases), Qwen3 (q/k norms) and Gemma 3 against HF on
+tiny random models, through the one-call decode step, the per-op CPU kernels and the torch
 reference paths; what tandem would compute differently from HF is refused by name."""
 
 from __future__ import annotations
@@ -26,6 +26,14 @@ PROMPTS = [[5, 17, 33, 2, 64, 9, 11], [40, 41, 42], list(range(3, 40))]
 # Llama 3's frequency-dependent RoPE scaling (transformers 5 writes it as rope_parameters).
 LLAMA3_ROPE = dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                      high_freq_factor=4.0, original_max_position_embeddings=64))
+# Gemma 3's shape: windowed layers around a global one (each with its RoPE base, the
+# global one scaled as the 4B+ models'), a query scale of its own, a tied LM head.
+GEMMA3 = dict(num_hidden_layers=3, sliding_window=10, query_pre_attn_scalar=24,
+              tie_word_embeddings=True,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                               "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                  "rope_theta": 1e6}})
 
 
 def hf_model(arch: str, **overrides):
@@ -38,7 +46,10 @@ def hf_model(arch: str, **overrides):
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
+    if arch == "gemma3":
+        overrides = {**GEMMA3, **overrides}
     torch.manual_seed(0)
     # A copy: transformers adds rope_theta into a rope_scaling dict it is given.
     model = model_cls(cfg_cls(**copy.deepcopy({**COMMON, **overrides}))).eval()
@@ -50,6 +61,10 @@ def hf_model(arch: str, **overrides):
         for layer in model.model.layers:
             layer.self_attn.q_norm.weight.data.uniform_(0.5, 1.5)
             layer.self_attn.k_norm.weight.data.uniform_(0.5, 1.5)
+    if arch == "gemma3":  # every norm random (HF starts them at 0: a scale of 1 + 0)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.data.uniform_(-0.5, 0.5)
     return model
 
 
@@ -69,7 +84,8 @@ def _engine(path, **kw) -> LLMEngine:
     # Mistral: an explicit head_dim wider than hidden / heads (as Mistral Nemo's 128 at 5120).
     ("mistral", dict(head_dim=32)),
     ("phi3", {}),  # fused qkv_proj and gate_up_proj
-], ids=["llama", "llama3-rope", "qwen2", "qwen3", "mistral", "phi3"])
+    ("gemma3", {}),  # the prompts run past the window of its windowed layers
+], ids=["llama", "llama3-rope", "qwen2", "qwen3", "mistral", "phi3", "gemma3"])
 def test_tiny_models_match_hf(arch, overrides, tmp_path):
     hf = hf_model(arch, **overrides)
     hf.save_pretrained(tmp_path)
@@ -150,7 +166,7 @@ def _cfg(arch: str, **overrides) -> dict:
     (dict(sliding_window=24, use_sliding_window=True,
           layer_types=["sliding_attention", "full_attention"]), 24, (0,)),
     # A window as long as the context hides no key.
-    (dict(sliding_window=256, use_sliding_window=True, max_window_layers=0), None, ()),
+    (dict(sliding_window=256, use_sliding_window=True, max_window_layers=0), None, (0, 1)),
 ])
 def test_qwen_sliding_window_only_where_hf_uses_it(overrides, window, layers):
     """Qwen2.5 configs carry a sliding_window HF ignores unless use_sliding_window
@@ -159,7 +175,7 @@ def test_qwen_sliding_window_only_where_hf_uses_it(overrides, window, layers):
         cfg = ModelConfig.from_hf(_cfg(arch, **overrides))
         assert (cfg.sliding_window, cfg.sliding_layers) == (window, layers)
         assert [cfg.layer_window(i) for i in range(2)] == [
-            window if i in layers else 0 for i in range(2)]
+            window if window and i in layers else 0 for i in range(2)]
         assert cfg.max_position_embeddings == 256
     # Llama has no window, whatever its config says; Mistral windows every layer.
     assert ModelConfig.from_hf(_cfg("LlamaForCausalLM", sliding_window=24)).sliding_window is None
@@ -183,10 +199,38 @@ def test_qwen_sliding_window_only_where_hf_uses_it(overrides, window, layers):
     ("Phi3ForCausalLM", dict(rope_parameters=dict(rope_theta=1e4, partial_rotary_factor=0.5)),
      "partial_rotary_factor 0.5"),
     ("GemmaForCausalLM", {}, "unsupported architecture"),
+    ("Gemma3ForCausalLM", dict(hidden_activation="gelu"), "hidden_activation 'gelu'"),
+    ("Gemma3ForCausalLM", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+    ("Gemma3ForCausalLM", dict(final_logit_softcapping=30.0), "final_logit_softcapping"),
+    # EmbeddingGemma attends both ways.
+    ("Gemma3ForCausalLM", dict(use_bidirectional_attention=True), "use_bidirectional"),
+    ("Gemma3ForCausalLM", dict(rope_parameters={
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+        "full_attention": {"rope_theta": 1e6}}), "scaled RoPE in windowed layers"),
 ])
 def test_unsupported_features_are_refused_by_name(arch, overrides, feature):
     with pytest.raises(ValueError, match=feature):
         ModelConfig.from_hf(_cfg(arch, **overrides))
+
+
+def test_gemma3_hub_config_is_read():
+    """gemma-3-4b-it's text config as the Hub has it (transformers 4's fields):
+    every 6th layer global, its RoPE base and linear scaling; the others windowed
+    with their own base; the query scaled by query_pre_attn_scalar."""
+    cfg = ModelConfig.from_hf(_cfg(
+        "Gemma3ForCausalLM", num_hidden_layers=12, hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=256, rope_theta=1e6, rope_local_base_freq=1e4,
+        rope_scaling=dict(rope_type="linear", factor=8.0), sliding_window=16,
+        sliding_window_pattern=6, model_type="gemma3_text"))
+    assert cfg.sliding_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)
+    assert cfg.sliding_window == 16 and [cfg.layer_window(i) for i in (4, 5)] == [16, 0]
+    assert (cfg.rope_theta, cfg.local_rope_theta) == (1e6, 1e4)
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert cfg.activation == "gelu_tanh" and cfg.attn_scale == 256**-0.5
+    assert cfg.embed_scale == 96**0.5 and cfg.sandwich_norms and cfg.qk_norm
+    assert cfg.tie_word_embeddings is False  # COMMON's; Gemma's own default is tied
+    assert ModelConfig.from_hf({k: v for k, v in _cfg("Gemma3ForCausalLM").items()
+                                if k != "tie_word_embeddings"}).tie_word_embeddings
 
 
 def test_transformers5_rope_parameters_are_read(tmp_path):

@@ -134,19 +134,27 @@ def test_the_cpp_step_refuses_what_it_does_not_implement(tmp_path):
     step = new()
     with pytest.raises(RuntimeError, match="before the first step"):
         step.forward(torch.tensor([[5, 0, 0]]), torch.zeros(1, 1, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="local RoPE needs set_variant"):
+        step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
+                       layer.k_norm, cache, scale, 0, None, None, True)
+    with pytest.raises(RuntimeError, match="output norms go together"):
+        step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
+                       layer.k_norm, cache, scale, 0, layer.input_norm, None, False)
     step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
-                   layer.k_norm, cache, scale, 0)  # what the model has: accepted
+                   layer.k_norm, cache, scale, 0, None, None, False)  # what the model has: accepted
+    with pytest.raises(RuntimeError, match="set_variant before add_layer"):
+        step.set_variant(1, 2.0, 0.25, model.cos, model.sin)
     step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
-                   layer.k_norm, cache, scale, 8)  # a sliding window of 8 keys
+                   layer.k_norm, cache, scale, 8, None, None, False)  # a sliding window of 8 keys
     with pytest.raises(RuntimeError, match="share one window"):
         step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
-                       layer.k_norm, cache, scale, 9)
+                       layer.k_norm, cache, scale, 9, None, None, False)
     with pytest.raises(RuntimeError, match="kv heads"):
         step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
-                       layer.k_norm, cache[:, :, :1].contiguous(), scale, 0)
+                       layer.k_norm, cache[:, :, :1].contiguous(), scale, 0, None, None, False)
     with pytest.raises(RuntimeError, match="Q and K norms"):
         step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
-                       None, cache, scale, 0)
+                       None, cache, scale, 0, None, None, False)
     with pytest.raises(RuntimeError, match="unknown weight kind"):
         step.add_layer(layer.input_norm, layer.post_norm, [7, *kinds[1:]], tensors, None,
-                       layer.q_norm, layer.k_norm, cache, scale, 0)
+                       layer.q_norm, layer.k_norm, cache, scale, 0, None, None, False)

@@ -292,6 +292,31 @@ def _llama3_freq_factors(head_dim, theta, factor=32.0, low=1.0, high=4.0, orig=8
     return np.array(out, dtype=np.float32)
 
 
+def _add_tiny_tokenizer(w, pad: bool = False) -> int:
+    """A byte-level BPE vocabulary, its specials and the chat template into the
+    writer w; returns the embedding's rows (the vocabulary, padded as real GGUFs
+    often are). pad: name a pad token (phi3's, as real ones do: else HF's phi3
+    default, 32000, is past the vocabulary)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_chars = list(bytes_to_unicode().values())  # byte-level BPE base alphabet
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = byte_chars + ["Ġt", "he", "Ġthe"] + specials
+    vocab = len(tokens) + 5
+    tokens += [f"<|extra_{i}|>" for i in range(5)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(byte_chars) + 3) + [3] * (len(specials) + 5))
+    w.add_token_merges(["Ġ t", "h e", "Ġt he"])
+    w.add_bos_token_id(tokens.index("<|endoftext|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    if pad:
+        w.add_pad_token_id(tokens.index("<|endoftext|>"))
+    w.add_chat_template(_TEMPLATE)
+    return vocab
+
+
 def _write_tiny_gguf(
     path: Path,
     arch: str,
@@ -314,7 +339,6 @@ def _write_tiny_gguf(
     llama.cpp writes it: fused attn_qkv, ffn_up holding gate then up, the
     sliding window (0: none) and the rotated dims of a head in the metadata."""
     import gguf
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(layers)
@@ -331,21 +355,7 @@ def _write_tiny_gguf(
     w.add_rope_dimension_count(rope_dims or head_dim)
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-6)
-    byte_chars = list(bytes_to_unicode().values())  # byte-level BPE base alphabet
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = byte_chars + ["Ġt", "he", "Ġthe"] + specials
-    vocab = len(tokens) + 5  # padded, as real GGUFs often are
-    tokens += [f"<|extra_{i}|>" for i in range(5)]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * (len(byte_chars) + 3) + [3] * (len(specials) + 5))
-    w.add_token_merges(["Ġ t", "h e", "Ġt he"])
-    w.add_bos_token_id(tokens.index("<|endoftext|>"))
-    w.add_eos_token_id(tokens.index("<|im_end|>"))
-    if arch == "phi3":  # as real ones do: else HF's phi3 default (32000) is past the vocab
-        w.add_pad_token_id(tokens.index("<|endoftext|>"))
-    w.add_chat_template(_TEMPLATE)
+    vocab = _add_tiny_tokenizer(w, pad=arch == "phi3")
     rng = np.random.default_rng(0)
 
     def rand(*shape):  # numpy (torch) order; the writer reverses dims for GGUF
@@ -396,6 +406,80 @@ def _write_tiny_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def test_tiny_gemma3_gguf_serves_as_hf_computes(tmp_path):
+    """A Gemma 3 file as llama.cpp writes one (its tensor names, norms stored as
+    1 + w, no window pattern or local RoPE base in the metadata: llama.cpp's
+    fixed ones) from an HF model: tandem's logits are HF's on every CPU path,
+    past the window; the fp32 safetensors hold HF's own norms again."""
+    import gguf
+    import transformers
+
+    from tandem.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+
+    from .cpu_paths import CPU_PATHS, cpu_path
+
+    src = tmp_path / "gemma3.gguf"
+    w = gguf.GGUFWriter(str(src), "gemma3")
+    vocab = _add_tiny_tokenizer(w)
+    hidden, heads, kv, hd, ffn, layers, window = 64, 4, 2, 16, 96, 6, 8
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, sliding_window=window,
+        query_pre_attn_scalar=hd, max_position_embeddings=512, initializer_range=0.3,
+        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    for name, p in hf.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.uniform_(-0.5, 0.5)
+    for add, value in ((w.add_block_count, layers), (w.add_context_length, 512),
+                       (w.add_embedding_length, hidden), (w.add_feed_forward_length, ffn),
+                       (w.add_head_count, heads), (w.add_head_count_kv, kv),
+                       (w.add_key_length, hd), (w.add_value_length, hd),
+                       (w.add_rope_freq_base, 1e6), (w.add_layer_norm_rms_eps, 1e-6),
+                       (w.add_sliding_window, window)):
+        add(value)
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    ref = hf.state_dict()
+    for name, t in ref.items():
+        if name == "lm_head.weight":
+            continue  # tied
+        a = t.numpy() + (np.float32(1) if name.endswith("norm.weight") else np.float32(0))
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            gname = f"blk.{i}.{names[rest.removesuffix('.weight')]}.weight"
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight",
+                     "model.norm.weight": "output_norm.weight"}[name]
+        w.add_tensor(gname, np.ascontiguousarray(a))
+    for write in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file):
+        write()
+    w.close()
+
+    out = tg.gguf_to_hf_dir(src, cache_root=tmp_path / "cache", weights=True)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Gemma3ForCausalLM"] and cfg["sliding_window"] == window
+    mine = load_file(str(out / "model.safetensors"))
+    assert set(mine) == set(ref) - {"lm_head.weight"}
+    for n, t in mine.items():  # norms: (w + 1) - 1, a rounding off w
+        torch.testing.assert_close(t, ref[n], atol=1e-7 if n.endswith("norm.weight") else 0,
+                                   rtol=0)
+    engine = LLMEngine(EngineConfig(model=str(src), kv_cache_memory="8MiB",
+                                    kv_cache_dtype="fp32", max_num_batched_tokens=16))
+    assert engine.model_config.sliding_layers == (0, 1, 2, 3, 4)
+    ids = list(range(3, 40))
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    for path in CPU_PATHS:
+        with cpu_path(engine, path):
+            torch.testing.assert_close(engine.score_tokens(ids), want, atol=1e-4, rtol=1e-4)
 
 
 def test_tiny_qwen3_matches_transformers(tmp_path):
@@ -611,7 +695,7 @@ def test_unsupported_architecture_is_named(tmp_path):
     import gguf
 
     src = tmp_path / "gemma.gguf"
-    w = gguf.GGUFWriter(str(src), "gemma")
+    w = gguf.GGUFWriter(str(src), "gemma")  # Gemma 1
     w.add_block_count(1)
     w.write_header_to_file()
     w.write_kv_data_to_file()

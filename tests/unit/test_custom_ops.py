@@ -31,7 +31,7 @@ def test_kernels_are_built_here():
     assert built <= cpu_flags() and ("avx512f" in built) == ("avx512f" in cpu_flags())
 
 
-def test_rms_norm_and_silu_and_mul():
+def test_rms_norm_and_act_and_mul():
     torch.manual_seed(0)
     x, w = torch.randn(5, 576) * 3, torch.randn(576)
     torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5),
@@ -40,10 +40,14 @@ def test_rms_norm_and_silu_and_mul():
     wide = torch.randn(4, 700)
     torch.testing.assert_close(ops.rms_norm(wide[:, :576], w, 1e-6),
                                F.rms_norm(wide[:, :576], (576,), w, 1e-6), atol=1e-6, rtol=1e-5)
-    gu = torch.randn(7, 2 * 100) * 6  # SiLU over a wide range, incl. exp overflow territory
+    gu = torch.randn(7, 2 * 100) * 6  # a wide range, incl. exp overflow territory
     gu[0, 0], gu[0, 1] = 95.0, -95.0
     ref = F.silu(gu[:, :100]) * gu[:, 100:]
-    torch.testing.assert_close(ops.silu_and_mul(gu), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ops.act_and_mul(gu), ref, atol=1e-5, rtol=1e-5)  # 0: SiLU
+    ref = F.gelu(gu[:, :100], approximate="tanh") * gu[:, 100:]  # Gemma's GeGLU
+    torch.testing.assert_close(ops.act_and_mul(gu, 1), ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="unknown activation"):
+        ops.act_and_mul(gu, 2)
     with pytest.raises(RuntimeError, match="float32"):
         ops.rms_norm(x.double(), w, 1e-5)
 

@@ -44,7 +44,7 @@
 
 TORCH_LIBRARY(tandem, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
-  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("act_and_mul(Tensor x, int activation=0) -> Tensor");
   m.def(
       "rotary_embedding_and_cache(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, "
       "int num_heads, int num_kv_heads, Tensor(b!) cache, Tensor(c!)? cache_scale, "
@@ -62,6 +62,7 @@ TORCH_LIBRARY(tandem, m) {
       .def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t,
                        int64_t, double>())
       .def("set_lm_head", &tandem::DecodeStep::set_lm_head)
+      .def("set_variant", &tandem::DecodeStep::set_variant)
       .def("add_layer", &tandem::DecodeStep::add_layer)
       .def("forward", &tandem::DecodeStep::forward);
   m.def("int8_linear(Tensor x, Tensor packed, Tensor w_scale, Tensor g_scale, int N) -> Tensor");
@@ -77,7 +78,7 @@ TORCH_LIBRARY(tandem, m) {
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("rms_norm", &tandem::rms_norm);
-  m.impl("silu_and_mul", &tandem::silu_and_mul);
+  m.impl("act_and_mul", &tandem::act_and_mul);
   m.impl("rotary_embedding_and_cache", &tandem::rotary_embedding_and_cache);
   m.impl("paged_attention_decode", &tandem::paged_attention_decode);
   m.impl("paged_attention_prefill", &tandem::paged_attention_prefill);

@@ -31,6 +31,7 @@ namespace tandem {
 // undefined tensors when the model has none.
 struct StepLayer {
   at::Tensor input_norm, post_norm;
+  at::Tensor attn_out_norm, mlp_out_norm;  // Gemma's norms on each block's output, or undefined
   StepMatmul qkv, o, gate_up, down;
   at::Tensor qkv_bias, q_norm, k_norm;
   at::Tensor cache, cache_scale;  // held: rope points into them
@@ -47,6 +48,10 @@ struct DecodeStep : torch::CustomClassHolder {
   std::vector<StepLayer> layers;
   StepMatmul lm_head{WeightKind::kDense, {}, {}, {}, 0, 0};
   at::Tensor embed, norm, cos, sin;  // embed: float32, or float16 in quantized models
+  at::Tensor cos_local, sin_local;  // Gemma 3's windowed layers' RoPE tables (set_variant)
+  Activation act = Activation::kSilu;
+  float embed_scale = 1.f;
+  bool sandwich_ = false;  // some layer has output norms
   int64_t H, hkv = 0, D, hidden, inter, vocab = 0, block_size;
   int64_t window_ = 0;  // the windowed layers' window (0: none has one)
   // Threads' shares of every layer matmul's outputs start on multiples of
@@ -77,12 +82,43 @@ struct DecodeStep : torch::CustomClassHolder {
     TORCH_CHECK(D % 2 == 0 && block_size > 0, "DecodeStep: odd head size or empty blocks");
   }
 
+  // A model that differs from the Llama layout (Gemma 3): the MLP's
+  // activation, the embedding's scale, the query scale, and the RoPE tables
+  // of windowed layers (add_layer's local_rope). Before the first add_layer.
+  void set_variant(int64_t activation, double embed_scale_, double attn_scale,
+                   at::Tensor cos_local_, at::Tensor sin_local_) {
+    TORCH_CHECK(layers.empty(), "DecodeStep: set_variant before add_layer");
+    TORCH_CHECK(activation == 0 || activation == 1, "DecodeStep: unknown activation");
+    TORCH_CHECK(attn_scale > 0 && embed_scale_ > 0, "DecodeStep: scales must be positive");
+    dense(cos_local_, cos.size(0), D, "cos_local");
+    dense(sin_local_, cos.size(0), D, "sin_local");
+    act = static_cast<Activation>(activation);
+    embed_scale = static_cast<float>(embed_scale_);
+    scale = static_cast<float>(attn_scale);
+    cos_local = std::move(cos_local_);
+    sin_local = std::move(sin_local_);
+  }
+
   static void dense(const at::Tensor& t, int64_t rows, int64_t cols, const char* name) {
     TORCH_CHECK(t.defined() && t.device().is_cpu() && t.scalar_type() == at::kFloat &&
                     t.is_contiguous() && t.dim() == (cols ? 2 : 1) && t.size(0) == rows &&
                     (!cols || t.size(1) == cols),
                 "DecodeStep: ", name, " must be a contiguous float32 CPU tensor of the "
                 "model's shape");
+  }
+
+  // Optional norm weights of n values that come as a pair (both or neither)
+  // into da, db; returns whether they came.
+  static bool norm_pair(const std::optional<at::Tensor>& a, const std::optional<at::Tensor>& b,
+                        int64_t n, const char* what, const char* a_name, const char* b_name,
+                        at::Tensor& da, at::Tensor& db) {
+    TORCH_CHECK(a.has_value() == b.has_value(), "DecodeStep: ", what, " go together");
+    if (!a) return false;
+    dense(*a, n, 0, a_name);
+    dense(*b, n, 0, b_name);
+    da = *a;
+    db = *b;
+    return true;
   }
 
   static StepMatmul matmul(int64_t kind, at::Tensor w, at::Tensor a, at::Tensor b, int64_t N,
@@ -106,7 +142,9 @@ struct DecodeStep : torch::CustomClassHolder {
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<int64_t> kinds,
                  std::vector<at::Tensor> matmuls, std::optional<at::Tensor> qkv_bias,
                  std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
-                 at::Tensor cache, std::optional<at::Tensor> cache_scale, int64_t window) {
+                 at::Tensor cache, std::optional<at::Tensor> cache_scale, int64_t window,
+                 std::optional<at::Tensor> attn_out_norm, std::optional<at::Tensor> mlp_out_norm,
+                 bool local_rope) {
     TORCH_CHECK(kinds.size() == 4 && matmuls.size() == 12,
                 "DecodeStep: a layer has four matmuls (qkv, o, gate_up, down), three tensors "
                 "each");
@@ -143,18 +181,16 @@ struct DecodeStep : torch::CustomClassHolder {
       dense(*qkv_bias, qkv_n, 0, "qkv_bias");
       l.qkv_bias = *qkv_bias;
     }
-    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecodeStep: Q and K norms go "
-                "together");
-    if (q_norm) {
-      dense(*q_norm, D, 0, "q_norm");
-      dense(*k_norm, D, 0, "k_norm");
-      l.q_norm = *q_norm;
-      l.k_norm = *k_norm;
-    }
+    norm_pair(q_norm, k_norm, D, "Q and K norms", "q_norm", "k_norm", l.q_norm, l.k_norm);
+    sandwich_ |= norm_pair(attn_out_norm, mlp_out_norm, hidden, "output norms", "attn_out_norm",
+                           "mlp_out_norm", l.attn_out_norm, l.mlp_out_norm);
+    TORCH_CHECK(!local_rope || cos_local.defined(), "DecodeStep: local RoPE needs set_variant");
     l.kv = kv_kind(cache, cache_scale);
     TORCH_CHECK(layers.empty() || l.kv == layers[0].kv,
                 "DecodeStep: every layer's cache must be of one kind");
-    l.rope = RopeAndCache{cos.data_ptr<float>(), sin.data_ptr<float>(), H, hkv, D};
+    const at::Tensor& c = local_rope ? cos_local : cos;
+    const at::Tensor& sn = local_rope ? sin_local : sin;
+    l.rope = RopeAndCache{c.data_ptr<float>(), sn.data_ptr<float>(), H, hkv, D};
     bind_cache(l.rope, cache, cache_scale);
     l.cache = std::move(cache);
     if (cache_scale) l.cache_scale = *cache_scale;
@@ -189,7 +225,8 @@ struct DecodeStep : torch::CustomClassHolder {
     }
     const int64_t qkv_n = (H + 2 * hkv) * D, threads = at::get_num_threads();
     std::vector<float> x(B * hidden), xn(threads * B * hidden), qkv_out(B * qkv_n),
-        attn(threads * B * H * D), gu(B * 2 * inter), act(B * inter);
+        attn(threads * B * H * D), gu(B * 2 * inter), mlp_act(B * inter),
+        out_rows(sandwich_ ? B * hidden : 0);
     // Full-context layers' attention plan, and windowed layers' (their items
     // cover each sequence's last window_ keys).
     auto att = decode_attention(qkv_out.data(), qkv_n, D, B, H, hkv, D, block_tables,
@@ -217,6 +254,8 @@ struct DecodeStep : torch::CustomClassHolder {
         const uint16_t* row = half_ptr(embed) + ids[b] * hidden;
         for (int64_t i = 0; i < hidden; i++) x[b * hidden + i] = half_to_float(row[i]);
       }
+    if (embed_scale != 1.f)
+      for (float& v : x) v *= embed_scale;
 
     // Five barriers per layer, each where a stage needs every thread's
     // outputs: after Q/K/V (attention reads all heads), after attention,
@@ -242,6 +281,22 @@ struct DecodeStep : torch::CustomClassHolder {
       const auto [i0, i1] = share(inter, t, nt, unit);  // gate rows [i0, i1) and their up rows
       const auto [v0, v1] = share(vocab, t, nt, StepMatmul::unit(lm_head.kind));
       StepInput in;
+      // Gemma: x += RMSNorm(a block's output out), each thread its columns [h0,
+      // h1) of every row, once all of out is there (barriers either side).
+      auto add_normed = [&](const at::Tensor& w) {
+#pragma omp barrier
+        const float* wp = w.data_ptr<float>();
+        for (int64_t b = 0; b < B; b++) {
+          const float* o = out_rows.data() + b * hidden;
+          float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+          for (int64_t i = 0; i < hidden; i++) ss += o[i] * o[i];
+          const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+          float* xb = x.data() + b * hidden;
+#pragma omp simd
+          for (int64_t i = h0; i < h1; i++) xb[i] += wp[i] * (o[i] * inv);
+        }
+      };
       for (const StepLayer& L : layers) {
         const RopeAndCache& rope = L.rope;
         normed(L.input_norm);
@@ -267,19 +322,24 @@ struct DecodeStep : torch::CustomClassHolder {
         for (int64_t w = 0; w < la.items; w++)
           la.run_item(w, L.kv, L.cache.data_ptr(), rope.cache_s, part.data(), buf);
         for (int64_t s = 0; s < B * la.kv_items; s++) la.merge(s, part.data(), attn_t);
+        const bool sandwich = L.attn_out_norm.defined();
         L.o.prepare(attn_t, H * D, B, in);
-        L.o.apply(in, h0, h1, nullptr, true, x.data(), hidden);
+        L.o.apply(in, h0, h1, nullptr, !sandwich, sandwich ? out_rows.data() : x.data(), hidden);
+        if (sandwich) add_normed(L.attn_out_norm);
 #pragma omp barrier
         normed(L.post_norm);
         L.gate_up.prepare(xt, hidden, B, in);
         L.gate_up.apply(in, i0, i1, nullptr, false, gu.data(), 2 * inter);
         L.gate_up.apply(in, inter + i0, inter + i1, nullptr, false, gu.data(), 2 * inter);
         for (int64_t b = 0; b < B; b++)
-          silu_and_mul_row(gu.data() + b * 2 * inter + i0, gu.data() + b * 2 * inter + inter + i0,
-                           i1 - i0, act.data() + b * inter + i0);
+          act_and_mul_row(act, gu.data() + b * 2 * inter + i0,
+                          gu.data() + b * 2 * inter + inter + i0, i1 - i0,
+                          mlp_act.data() + b * inter + i0);
 #pragma omp barrier
-        L.down.prepare(act.data(), inter, B, in);
-        L.down.apply(in, h0, h1, nullptr, true, x.data(), hidden);
+        L.down.prepare(mlp_act.data(), inter, B, in);
+        L.down.apply(in, h0, h1, nullptr, !sandwich, sandwich ? out_rows.data() : x.data(),
+                     hidden);
+        if (sandwich) add_normed(L.mlp_out_norm);
 #pragma omp barrier
       }
       normed(norm);

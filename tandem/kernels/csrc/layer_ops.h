@@ -16,10 +16,29 @@ inline void rms_norm_row(const float* x, const float* w, int64_t n, float eps, f
   for (int64_t i = 0; i < n; i++) o[i] = w[i] * (x[i] * inv);
 }
 
-// SwiGLU's activation of one row: o = silu(gate) * up.
-inline void silu_and_mul_row(const float* g, const float* u, int64_t n, float* o) {
+// The gated MLP's activation: SwiGLU's SiLU (Llama and most), GeGLU's GELU
+// with the tanh approximation (Gemma).
+enum class Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
+
+// One row: o = act(gate) * up. GELU-tanh is 0.5 x (1 + tanh(u)) = x * sigmoid(2u),
+// u = sqrt(2 / pi) (x + 0.044715 x^3): SiLU's form, without tanh's 1 + -1 cancellation.
+template <Activation A>
+inline void act_and_mul_row(const float* g, const float* u, int64_t n, float* o) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+  for (int64_t i = 0; i < n; i++) {
+    const float x = g[i];
+    const float z = A == Activation::kSilu
+                        ? -x
+                        : -1.5957691216057308f * (x + 0.044715f * x * x * x);  // -2u
+    o[i] = x / (1.f + exp_approx(z)) * u[i];
+  }
+}
+
+inline void act_and_mul_row(Activation a, const float* g, const float* u, int64_t n, float* o) {
+  if (a == Activation::kSilu)
+    act_and_mul_row<Activation::kSilu>(g, u, n, o);
+  else
+    act_and_mul_row<Activation::kGeluTanh>(g, u, n, o);
 }
 
 // out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w
@@ -39,16 +58,19 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return out;
 }
 
-// x: [T, 2N] (gate | up) -> silu(gate) * up: [T, N]
-at::Tensor silu_and_mul(const at::Tensor& x) {
+// x: [T, 2N] (gate | up) -> act(gate) * up: [T, N]; activation: an Activation.
+at::Tensor act_and_mul(const at::Tensor& x, int64_t activation) {
   check_float_rows(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be [T, 2N]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "act_and_mul: x must be [T, 2N]");
+  TORCH_CHECK(activation == 0 || activation == 1, "act_and_mul: unknown activation");
+  const Activation a = static_cast<Activation>(activation);
   const int64_t rows = x.size(0), n = x.size(1) / 2, xs = x.stride(0);
   auto out = at::empty({rows, n}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; t++) silu_and_mul_row(xp + t * xs, xp + t * xs + n, n, op + t * n);
+    for (int64_t t = b; t < e; t++)
+      act_and_mul_row(a, xp + t * xs, xp + t * xs + n, n, op + t * n);
   });
   return out;
 }
