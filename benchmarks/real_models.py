@@ -3,7 +3,8 @@ machine's bandwidth and compute ceilings, measured in the same run.
 
 Workload: synthetic Llama GGUFs at real shapes (benchmarks/synthetic_gguf.py:
 random weights, SmolLM2's tokenizer; cached), by default the 1B shape as F16, Q8_0,
-Q4_0 and Q4_K_M files (``--shape 8b`` for the 8B one). Each file is served by
+Q4_0 and Q4_K_M files (``--shape 8b`` for the 8B one, ``gemma3-1b`` for Gemma 3
+1B's layers). Each file is served by
 ``tandem serve --model FILE --kv-cache-memory K`` (``--quantization X`` only when given)
 and measured:
 
@@ -419,7 +420,7 @@ def print_targets(results: list[Result], bw: float, int8_flops: float | None,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", nargs="+", default=["1b"], choices=["1b", "8b"])
+    ap.add_argument("--shape", nargs="+", default=["1b"], choices=["1b", "8b", "gemma3-1b"])
     ap.add_argument("--types", nargs="+", default=["f16", "q8_0", "q4_0", "q4_k_m"])
     ap.add_argument("--quantization", default=None,
                     help="passed to tandem serve as --quantization (default: not passed)")

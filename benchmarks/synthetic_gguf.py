@@ -1,4 +1,5 @@
-"""Llama-architecture GGUF files with random weights, for benchmarks at real model sizes.
+"""Llama- and Gemma-3-architecture GGUF files with random weights, for benchmarks at real
+model sizes.
 
 Shapes (Llama 3 layouts; the tokenizer is the default model's, SmolLM2's, so
 every token id is valid and the server can tokenize prompts):
@@ -11,6 +12,11 @@ every token id is valid and the server can tokenize prompts):
   tokenizer's 49152 so the ids are valid, so the embedding and LM head hold
   0.65 B fewer parameters than a real one (0.36 GB less at Q4_0, 0.69 GB at
   Q8_0, 1.3 GB at F16). The layers, which decode streams, are the real size.
+* ``gemma3-1b``: Gemma 3 1B's layers (arch ``gemma3``): 26 layers, hidden 1152,
+  ffn 6912, 4 heads, 1 KV head, head_dim 256, a 512-token window in five
+  layers of six, q/k norms and norms on each block's output, a tied LM head
+  (0.70 B parameters in the layers; its vocab of 262144 is 49152 here, so the
+  embedding is 0.24 B instead of 0.30 B).
 
 Tensor types: ``f16``, ``q8_0``, ``q4_0``: every matrix (token_embd, output,
 the layer matmuls) has the type; and ``q4_k_m``, llama.cpp's most pulled mix:
@@ -19,8 +25,9 @@ llama.cpp gives more bits (the first and last eighth, every third between).
 gguf.quants cannot quantize K-quants (0.19), so their blocks are random bytes
 with small fp16 super-block scales (weights within ~0.1): as random as the
 others, and decoded exactly as a real file's. The norm weights are F32 ones.
-The LM head is untied (``output.weight``). Weights are N(0, 0.02), drawn per row-chunk from a seed
-derived from (seed, tensor, chunk), so a file is reproducible. numpy does this
+The Llama shapes' LM head is untied (``output.weight``). Weights are N(0, 0.02),
+drawn per row-chunk from a seed derived from (seed, tensor, chunk), so a file is
+reproducible. numpy does this
 at ~55 M params/s on one core here (threads did not help: 1B in ~30 s, 8B in
 ~2.5 min).
 
@@ -70,11 +77,16 @@ class Shape:
     context: int = 8192
     rope_theta: float = 500000.0
     rms_eps: float = 1e-5
+    arch: str = "llama"  # "gemma3": its extra norms, a tied LM head, a window
+    sliding_window: int = 0
 
 
 SHAPES = {
     "1b": Shape(layers=24, hidden=2048, ffn=8192, heads=32, kv_heads=8, head_dim=64),
     "8b": Shape(layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128),
+    "gemma3-1b": Shape(layers=26, hidden=1152, ffn=6912, heads=4, kv_heads=1, head_dim=256,
+                       context=32768, rope_theta=1e6, rms_eps=1e-6, arch="gemma3",
+                       sliding_window=512),
 }
 TYPES = {
     "f16": (Q.F16, LlamaFileType.MOSTLY_F16),
@@ -118,14 +130,17 @@ def available_types() -> list[str]:
 def default_path(shape: str, qtype: str) -> Path:
     from tandem.model.gguf import cache_root_dir
 
-    return cache_root_dir() / "synthetic" / f"llama-{shape}-{qtype}-v{FORMAT_VERSION}.gguf"
+    stem = f"llama-{shape}" if SHAPES[shape].arch == "llama" else shape
+    return cache_root_dir() / "synthetic" / f"{stem}-{qtype}-v{FORMAT_VERSION}.gguf"
 
 
 def tensor_list(s: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
     """(name, numpy-order shape) of every tensor, in file order; 1-D ones are norms."""
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    out = [("token_embd.weight", (vocab, s.hidden)), ("output_norm.weight", (s.hidden,)),
-           ("output.weight", (vocab, s.hidden))]
+    gemma = s.arch == "gemma3"
+    out = [("token_embd.weight", (vocab, s.hidden)), ("output_norm.weight", (s.hidden,))]
+    if not gemma:  # Gemma's LM head is the embedding
+        out.append(("output.weight", (vocab, s.hidden)))
     for i in range(s.layers):
         b = f"blk.{i}."
         out += [
@@ -139,6 +154,11 @@ def tensor_list(s: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
             (b + "ffn_up.weight", (s.ffn, s.hidden)),
             (b + "ffn_down.weight", (s.hidden, s.ffn)),
         ]
+        if gemma:
+            out += [(b + "attn_q_norm.weight", (s.head_dim,)),
+                    (b + "attn_k_norm.weight", (s.head_dim,)),
+                    (b + "post_attention_norm.weight", (s.hidden,)),
+                    (b + "post_ffw_norm.weight", (s.hidden,))]
     return out
 
 
@@ -208,8 +228,10 @@ def write_synthetic(path: Path, shape: str, qtype_name: str, *, seed: int = 0,
         raise ValueError(f"this gguf package cannot quantize to {qtype.name}; "
                          f"choose one of {available_types()}")
     t0 = time.perf_counter()
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name(f"synthetic-llama-{shape}-{qtype_name}")
+    w = gguf.GGUFWriter(str(path), s.arch)
+    w.add_name(f"synthetic-{s.arch}-{shape}-{qtype_name}")
+    if s.sliding_window:
+        w.add_sliding_window(s.sliding_window)
     w.add_block_count(s.layers)
     w.add_context_length(s.context)
     w.add_embedding_length(s.hidden)
