@@ -86,12 +86,13 @@ def query_as(q, cache_cls):
 @pytest.mark.parametrize("cache_cls", [Fp32KVCache, Fp16KVCache, Bf16KVCache, Int8KVCache])
 @pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (8, 8, 128), (14, 2, 64), (4, 1, 32),
                                      (18, 2, 64), (32, 8, 64), (12, 2, 128), (4, 1, 256),
-                                     (8, 4, 256)])
+                                     (8, 4, 256), (6, 6, 96)])
 @pytest.mark.parametrize("ctx", [[1, 16, 17, 45, 200, 3, 64, 33], [1000], [37, 700], [3000]],
                          ids=["8-seqs", "1-long", "2-ragged", "1-longer"])
 def test_paged_attention_decode_matches_gather_and_sdpa(cache_cls, h, hkv, d, ctx):
-    """Register-blocked shapes (head size 64/128, groups of 1, 3, 4, 6 and 7; 256,
-    Gemma 3's, its PV in passes of 4 or 8 chunks for groups of 4 and 2) and
+    """Register-blocked shapes (head size 64/128, groups of 1, 3, 4, 6 and 7; 96,
+    Phi-3's; 256, Gemma 3's, its PV in passes of 4 or 8 chunks for groups of 4
+    and 2) and
     generic ones (head size 32, a group of 9), across block boundaries and
     ragged lengths; one or two long contexts are split across threads and
     merged: by KV head (1000 tokens), or into ranges of every KV head (700

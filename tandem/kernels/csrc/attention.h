@@ -203,13 +203,14 @@ void pick_group(int64_t group, BlockKernels<KV>& k) {
 }
 #endif
 
-// Register-blocked kernels for the common shapes (head size 64, 128 or 256,
-// up to 8 query heads per KV head), the generic loops otherwise.
+// Register-blocked kernels for the common shapes (head size 64, 96 (Phi-3's),
+// 128 or 256, up to 8 query heads per KV head), the generic loops otherwise.
 template <typename KV>
 BlockKernels<KV> pick_kernels(int64_t group, int64_t D) {
   BlockKernels<KV> k;
 #ifdef __AVX512F__
   if (D == 64) pick_group<KV, 4>(group, k);
+  if (D == 96) pick_group<KV, 6>(group, k);
   if (D == 128) pick_group<KV, 8>(group, k);
   if (D == 256) pick_group<KV, 16>(group, k);
 #endif
