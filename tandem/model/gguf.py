@@ -349,7 +349,7 @@ def _hf_config(reader, arch: str, tensors: dict, src: Path) -> tuple[dict, str |
     emb = tensors.get("token_embd.weight")
     if emb is None:
         raise ValueError(f"{src}: GGUF has no token_embd.weight tensor")
-    rope_theta = float(get("rope.freq_base", 10000.0))
+    rope_theta = float(get("rope.freq_base", 1e6 if arch == "gemma3" else 10000.0))
     context = int(get("context_length", 2048))
     config = {
         "architectures": [hf_arch],
@@ -378,11 +378,22 @@ def _hf_config(reader, arch: str, tensors: dict, src: Path) -> tuple[dict, str |
     if arch == "gemma3":
         # What llama.cpp assumes of a gemma3 file: every 6th layer global, the
         # others windowed with RoPE base 10000; queries scaled by the head size,
-        # but the 27B's (62 layers) by hidden / heads.
+        # but the 27B's (62 layers) by hidden / heads. Ollama's files may name
+        # the windowed layers (a bool per layer) and their base.
+        pattern = get("attention.sliding_window_pattern")
         config.update(
             hidden_activation="gelu_pytorch_tanh", sliding_window_pattern=6,
-            rope_local_base_freq=10000.0,
+            rope_local_base_freq=float(get("rope.local.freq_base", 10000.0)),
             query_pre_attn_scalar=hidden // n_heads if n_layers == 62 else head_dim)
+        if isinstance(pattern, list):
+            if len(pattern) != n_layers:
+                raise ValueError(f"{src}: {arch}.attention.sliding_window_pattern has "
+                                 f"{len(pattern)} entries for {n_layers} layers")
+            config["layer_types"] = ["sliding_attention" if p else "full_attention"
+                                     for p in pattern]
+        softcap = get("final_logit_softcapping")
+        if softcap:  # refused by name when the model is built
+            config["final_logit_softcapping"] = float(softcap)
         del config["hidden_act"]
     special = (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding"))
     for key, name in special:
@@ -460,6 +471,8 @@ def _tensor_names(tensors: dict, config: dict, arch: str, src: Path, skip: set) 
     for gname, t in tensors.items():
         if gname in skip:
             continue
+        if arch == "gemma3" and gname.startswith(("v.", "mm.")):
+            continue  # Ollama's files hold the vision tower too: the text model is served
         hf = _GLOBAL_NAMES.get(gname)
         if hf is None and gname.startswith("blk."):
             _, layer, rest = gname.split(".", 2)

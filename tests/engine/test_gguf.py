@@ -408,11 +408,14 @@ def _write_tiny_gguf(
     return path
 
 
-def test_tiny_gemma3_gguf_serves_as_hf_computes(tmp_path):
+@pytest.mark.parametrize("ollama", [False, True], ids=["llama.cpp", "ollama"])
+def test_tiny_gemma3_gguf_serves_as_hf_computes(tmp_path, ollama):
     """A Gemma 3 file as llama.cpp writes one (its tensor names, norms stored as
     1 + w, no window pattern or local RoPE base in the metadata: llama.cpp's
     fixed ones) from an HF model: tandem's logits are HF's on every CPU path,
-    past the window; the fp32 safetensors hold HF's own norms again."""
+    past the window; the fp32 safetensors hold HF's own norms again. As Ollama
+    writes one: the windowed layers named one by one, their RoPE base given, no
+    global base (1e6), and the vision tower's tensors beside the text model's."""
     import gguf
     import transformers
 
@@ -425,12 +428,16 @@ def test_tiny_gemma3_gguf_serves_as_hf_computes(tmp_path):
     w = gguf.GGUFWriter(str(src), "gemma3")
     vocab = _add_tiny_tokenizer(w)
     hidden, heads, kv, hd, ffn, layers, window = 64, 4, 2, 16, 96, 6, 8
+    types = ["sliding_attention", "full_attention"] * 3 if ollama else None
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 2e4 if ollama else 1e4},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
     torch.manual_seed(0)
     hf = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, sliding_window=window,
         query_pre_attn_scalar=hd, max_position_embeddings=512, initializer_range=0.3,
-        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, layer_types=types,
+        rope_parameters=rope)).eval()
     for name, p in hf.named_parameters():
         if name.endswith("norm.weight"):
             p.data.uniform_(-0.5, 0.5)
@@ -438,9 +445,16 @@ def test_tiny_gemma3_gguf_serves_as_hf_computes(tmp_path):
                        (w.add_embedding_length, hidden), (w.add_feed_forward_length, ffn),
                        (w.add_head_count, heads), (w.add_head_count_kv, kv),
                        (w.add_key_length, hd), (w.add_value_length, hd),
-                       (w.add_rope_freq_base, 1e6), (w.add_layer_norm_rms_eps, 1e-6),
-                       (w.add_sliding_window, window)):
+                       (w.add_layer_norm_rms_eps, 1e-6), (w.add_sliding_window, window)):
         add(value)
+    if ollama:
+        w.add_array("gemma3.attention.sliding_window_pattern",
+                    [t == "sliding_attention" for t in types])
+        w.add_float32("gemma3.rope.local.freq_base", 2e4)
+        w.add_tensor("v.patch_embd.weight", np.ones((4, 4), np.float32))
+        w.add_tensor("mm.input_projection.weight", np.ones((4, 4), np.float32))
+    else:
+        w.add_rope_freq_base(1e6)
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
              "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -473,13 +487,31 @@ def test_tiny_gemma3_gguf_serves_as_hf_computes(tmp_path):
                                    rtol=0)
     engine = LLMEngine(EngineConfig(model=str(src), kv_cache_memory="8MiB",
                                     kv_cache_dtype="fp32", max_num_batched_tokens=16))
-    assert engine.model_config.sliding_layers == (0, 1, 2, 3, 4)
+    assert engine.model_config.sliding_layers == ((0, 2, 4) if ollama else (0, 1, 2, 3, 4))
     ids = list(range(3, 40))
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0]
     for path in CPU_PATHS:
         with cpu_path(engine, path):
             torch.testing.assert_close(engine.score_tokens(ids), want, atol=1e-4, rtol=1e-4)
+
+
+def test_gemma3_window_pattern_of_the_wrong_length_is_named(tmp_path):
+    import gguf
+
+    src = tmp_path / "gemma3.gguf"
+    w = gguf.GGUFWriter(str(src), "gemma3")
+    vocab = _add_tiny_tokenizer(w)
+    for add, value in ((w.add_block_count, 2), (w.add_embedding_length, 16),
+                       (w.add_feed_forward_length, 32), (w.add_head_count, 1)):
+        add(value)
+    w.add_array("gemma3.attention.sliding_window_pattern", [True, False, True])
+    w.add_tensor("token_embd.weight", np.ones((vocab, 16), np.float32))
+    for write in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file):
+        write()
+    w.close()
+    with pytest.raises(ValueError, match="sliding_window_pattern has 3 entries for 2 layers"):
+        tg.gguf_to_hf_dir(src, cache_root=tmp_path / "cache")
 
 
 def test_tiny_qwen3_matches_transformers(tmp_path):
