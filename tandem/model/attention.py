@@ -15,7 +15,7 @@ layer. The flat batch is ordered decodes first, then prefill chunks, so the
 two groups are contiguous slices: decodes need no query padding and a lone
 prefill chunk needs none either.
 
-A layer with a sliding window of W keys (Mistral, Phi-3, some Qwen2 layers)
+A layer with a sliding window of W keys (Mistral, Phi-3, Gemma 3, some Qwen2 layers)
 lets each query see its last W keys, itself included (HF's q - k < W): the
 kernels skip the keys before, the reference path masks them.
 """

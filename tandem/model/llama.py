@@ -41,7 +41,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-# The gated MLP's activation by HF name -> tandem's (the kernels' Activation order).
+# The gated MLP's activation: HF's name -> tandem's (ModelConfig.activation).
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
@@ -186,18 +186,20 @@ def _sliding_window(cfg: dict, family: str) -> tuple[int | None, tuple[int, ...]
     ``sliding_window_pattern``-th (6); Llama never.
     """
     window, n = cfg.get("sliding_window"), int(cfg["num_hidden_layers"])
-    if family == "llama" or not window:
-        return None, ()
-    layers: tuple[int, ...] = tuple(range(n))
-    if family == "gemma3":
-        types = cfg.get("layer_types")
+    types = cfg.get("layer_types")
+    if types is not None and len(types) != n:
+        raise ValueError(f"config.json: layer_types has {len(types)} entries for {n} layers")
+    if family == "gemma3":  # its windowed layers rotate by their own base, window or not
         pattern = int(cfg.get("sliding_window_pattern", 6))
         layers = tuple(i for i in range(n) if (
             types[i] == "sliding_attention" if types is not None else (i + 1) % pattern))
-    elif family in ("qwen2", "qwen3"):
+        return (int(window) if window else None), layers
+    if family == "llama" or not window:
+        return None, ()
+    layers: tuple[int, ...] = tuple(range(n))
+    if family in ("qwen2", "qwen3"):
         if not cfg.get("use_sliding_window"):
             return None, ()
-        types = cfg.get("layer_types")
         if types is not None:
             layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
         else:

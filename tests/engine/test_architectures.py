@@ -199,6 +199,7 @@ def test_qwen_sliding_window_only_where_hf_uses_it(overrides, window, layers):
     ("Phi3ForCausalLM", dict(rope_parameters=dict(rope_theta=1e4, partial_rotary_factor=0.5)),
      "partial_rotary_factor 0.5"),
     ("GemmaForCausalLM", {}, "unsupported architecture"),
+    ("Gemma3ForCausalLM", dict(layer_types=["full_attention"]), "layer_types has 1 entries"),
     ("Gemma3ForCausalLM", dict(hidden_activation="gelu"), "hidden_activation 'gelu'"),
     ("Gemma3ForCausalLM", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
     ("Gemma3ForCausalLM", dict(final_logit_softcapping=30.0), "final_logit_softcapping"),
