@@ -139,18 +139,36 @@ def build_group(
     )
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+          scale: float, softcap: float, gqa: bool) -> torch.Tensor:
+    """SDPA, or its arithmetic written out where scores are soft-capped (which
+    SDPA cannot do): scores in the queries' dtype, softmax in fp32, as HF's
+    eager attention."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = torch.tanh((q @ k.transpose(-1, -2)) * (scale / softcap)) * softcap
+    if mask is not None:
+        s = s + mask
+    return torch.softmax(s.float(), -1).to(q.dtype) @ v
+
+
 def _attend(q: torch.Tensor, kv_cache: KVCache, g: AttnGroup, scale: float,
-            window: int) -> torch.Tensor:
+            window: int, softcap: float) -> torch.Tensor:
     """q: [Tg, H, D] flat queries of the group -> [Tg, H*D]."""
     t, h, d = q.shape
     if g.query_starts is not None:
         return torch.ops.tandem.paged_attention_prefill(
             q, *kv_cache.kernel_args, g.block_table, g.context_lens, g.query_starts,
-            g.block_size, scale, window,
+            g.block_size, scale, window, softcap,
         )
     if g.block_table is not None:
         return torch.ops.tandem.paged_attention_decode(
-            q, *kv_cache.kernel_args, g.block_table, g.context_lens, g.block_size, scale, window
+            q, *kv_cache.kernel_args, g.block_table, g.context_lens, g.block_size, scale, window,
+            softcap,
         )
     mask = g.window_mask if window and g.window_mask is not None else g.mask
     kv = kv_cache.gather(g.key_slots)
@@ -162,16 +180,12 @@ def _attend(q: torch.Tensor, kv_cache: KVCache, g: AttnGroup, scale: float,
         # Decode: the H / Hkv query heads sharing a KV head become that head's
         # "query positions" (no causal mask among them), so SDPA reads each KV
         # head once instead of once per query head: ~40% faster than enable_gqa.
-        out = F.scaled_dot_product_attention(
-            q.view(g.batch, hkv, h // hkv, d), k, v, attn_mask=mask, scale=scale
-        )
+        out = _sdpa(q.view(g.batch, hkv, h // hkv, d), k, v, mask, scale, softcap, False)
         return out.reshape(t, h * d)
     if g.q_index is not None:
         q = q.index_select(0, g.q_index)
     q = q.view(g.batch, g.q_len, h, d).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=scale, enable_gqa=hkv != h
-    )
+    out = _sdpa(q, k, v, mask, scale, softcap, hkv != h)
     out = out.transpose(1, 2).reshape(g.batch * g.q_len, h * d)
     if g.out_index is not None:
         out = out.index_select(0, g.out_index)
@@ -179,16 +193,18 @@ def _attend(q: torch.Tensor, kv_cache: KVCache, g: AttnGroup, scale: float,
 
 
 def paged_attention(
-    q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, window: int = 0
+    q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention for the whole flat batch; the new K/V are already in kv_cache.
-    ``window``: this layer's sliding window (0: none), the one build_group was given."""
+    ``window``: this layer's sliding window (0: none), the one build_group was given;
+    ``softcap``: scores become softcap * tanh(score / softcap) (Gemma 2; 0: none)."""
     if meta.prefill is None:
-        return _attend(q, kv_cache, meta.decode, scale, window)
+        return _attend(q, kv_cache, meta.decode, scale, window, softcap)
     if meta.decode is None:
-        return _attend(q, kv_cache, meta.prefill, scale, window)
+        return _attend(q, kv_cache, meta.prefill, scale, window, softcap)
     nd = meta.decode.num_tokens
     return torch.cat(
-        (_attend(q[:nd], kv_cache, meta.decode, scale, window),
-         _attend(q[nd:], kv_cache, meta.prefill, scale, window))
+        (_attend(q[:nd], kv_cache, meta.decode, scale, window, softcap),
+         _attend(q[nd:], kv_cache, meta.prefill, scale, window, softcap))
     )

@@ -36,6 +36,7 @@ FORMAT_VERSION = 3
 
 _ARCHITECTURES = {
     # GGUF general.architecture -> (HF model_type, HF architectures[0])
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),  # its text model (vision: a separate file)
     "llama": ("llama", "LlamaForCausalLM"),  # also Mistral's: llama.cpp writes it as llama
     "phi3": ("phi3", "Phi3ForCausalLM"),
@@ -88,9 +89,9 @@ _PHI3_LAYER_NAMES = {
     "attn_qkv.weight": "self_attn.qkv_proj.weight",
     "ffn_up.weight": "mlp.gate_up_proj.weight",
 }
-# Gemma 3 norms each block's input and output: ffn_norm is the MLP's input norm
-# (HF's pre_feedforward_layernorm), post_attention_norm attention's output's.
-_GEMMA3_LAYER_NAMES = {
+# Gemma 2 and 3 norm each block's input and output: ffn_norm is the MLP's input
+# norm (HF's pre_feedforward_layernorm), post_attention_norm attention's output's.
+_GEMMA_LAYER_NAMES = {
     **_LAYER_NAMES,
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_attention_norm.weight": "post_attention_layernorm.weight",
@@ -260,7 +261,7 @@ def _convert_unchecked(src: Path, dest: Path, weights: bool) -> None:
     _write_tokenizer(src, dest)  # first: the likelier failure, and cheaper than the weights
     if weights:
         # HF's Gemma norms hold w where llama.cpp's file holds 1 + w.
-        shift = 1.0 if config["architectures"] == ["Gemma3ForCausalLM"] else 0.0
+        shift = 1.0 if config["architectures"][0].startswith("Gemma") else 0.0
         _write_safetensors(dest / "model.safetensors", src, names, norm_shift=shift)
     (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tensors = {hf: [asdict(StoredTensor.of(t)), heads] for hf, (t, heads) in names.items()}
@@ -373,8 +374,19 @@ def _hf_config(reader, arch: str, tensors: dict, src: Path) -> tuple[dict, str |
     if rope_dims is not None and int(rope_dims) != head_dim:
         config["partial_rotary_factor"] = int(rope_dims) / head_dim
     window = get("attention.sliding_window")
-    if arch in ("phi3", "gemma3") and window:  # phi3's 0: none (Phi-4); llama's: not read
+    if arch in ("phi3", "gemma2", "gemma3") and window:  # phi3's 0: none; llama's: not read
         config["sliding_window"] = int(window)
+    if arch == "gemma2":
+        # What llama.cpp assumes of a gemma2 file: the even layers windowed;
+        # queries scaled by the head size, but the 27B's (46 layers) by hidden /
+        # heads. Soft-caps the file leaves out are Gemma 2's defaults (ModelConfig).
+        config.update(
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=hidden // n_heads if n_layers == 46 else head_dim)
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if get(key) is not None:
+                config[key] = float(get(key))
+        del config["hidden_act"]
     if arch == "gemma3":
         # What llama.cpp assumes of a gemma3 file: every 6th layer global, the
         # others windowed with RoPE base 10000; queries scaled by the head size,
@@ -465,8 +477,8 @@ def _tensor_names(tensors: dict, config: dict, arch: str, src: Path, skip: set) 
     """{hf_name: (tensor, heads)} for every tensor, checked against what the model
     needs; heads: llama's Q/K rows to unpermute (their head count), else None."""
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
-    layer_names = {"phi3": _PHI3_LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES}.get(arch,
-                                                                                _LAYER_NAMES)
+    layer_names = {"phi3": _PHI3_LAYER_NAMES, "gemma2": _GEMMA_LAYER_NAMES,
+                   "gemma3": _GEMMA_LAYER_NAMES}.get(arch, _LAYER_NAMES)
     names, unknown = {}, []
     for gname, t in tensors.items():
         if gname in skip:
@@ -512,7 +524,7 @@ def _expected_names(config: dict, arch: str) -> set[str]:
         layer |= {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"}
     if arch in ("qwen3", "gemma3"):
         layer |= {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         layer |= {"pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"}
     if arch == "phi3":
         layer -= {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",

@@ -1,5 +1,6 @@
 """The Llama family (Llama 2/3, SmolLM), Mistral, Phi-3, Qwen2 (q/k/v bias), Qwen3 (q/k norm),
-Gemma 3 (GeGLU, norms on each block's output too, a scaled embedding, local and global RoPE).
+Gemma 2 and 3 (GeGLU, norms on each block's output too, a scaled embedding; Gemma 2's
+soft-capped logits, Gemma 3's local and global RoPE).
 
 Written for the serving hot path, not for training: the batch is one flat
 sequence of tokens from many requests ([T, hidden]); Q/K/V and gate/up are
@@ -31,9 +32,10 @@ from tandem.model.kv_cache import KVCache
 from tandem.model.linear import DenseLinear, Linear
 
 # HF architecture -> family. All share one layout; Phi-3's checkpoints hold
-# Q/K/V and gate/up already fused (qkv_proj, gate_up_proj); Gemma 3 adds to it
-# (ModelConfig's activation, embed_scale, sandwich_norms, local_rope_theta).
+# Q/K/V and gate/up already fused (qkv_proj, gate_up_proj); Gemma adds to it
+# (ModelConfig's activation, embed_scale, sandwich_norms, softcaps, local_rope_theta).
 SUPPORTED_ARCHITECTURES = {
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -73,12 +75,14 @@ class ModelConfig:
     eos_token_id: int | list[int] | None
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
-    # Gemma 3's differences from the Llama layout (the defaults are Llama's):
+    # Gemma's differences from the Llama layout (the defaults are Llama's):
     activation: str = "silu"  # the gated MLP's: "silu" or "gelu_tanh" (GeGLU)
     embed_scale: float = 1.0  # the embedding rows times this (Gemma: sqrt(hidden))
     sandwich_norms: bool = False  # RMSNorm on attention's and the MLP's outputs too
     attn_scale: float | None = None  # query scale; None: head_dim ** -0.5
     local_rope_theta: float | None = None  # windowed layers' RoPE base, unscaled (None: global)
+    attn_softcap: float | None = None  # attention scores cap * tanh(s / cap) (Gemma 2)
+    final_softcap: float | None = None  # the logits, likewise
 
     @property
     def family(self) -> str:
@@ -100,7 +104,7 @@ class ModelConfig:
                 + ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             )
         family = SUPPORTED_ARCHITECTURES[arch]
-        gemma = family == "gemma3"
+        gemma = family in ("gemma2", "gemma3")
         field = "hidden_activation" if gemma else "hidden_act"
         act = cfg.get(field) or ("gelu_pytorch_tanh" if gemma else "silu")
         if ACTIVATIONS.get(act) != ("gelu_tanh" if gemma else "silu"):
@@ -108,10 +112,11 @@ class ModelConfig:
                              f"{'GELU-tanh' if gemma else 'SiLU'} in this family)")
         if cfg.get("mlp_bias"):
             raise ValueError(f"{arch}: mlp_bias is not supported")
-        for feature in ("attn_logit_softcapping", "final_logit_softcapping",
-                        "use_bidirectional_attention"):
-            if cfg.get(feature):
-                raise ValueError(f"{arch}: {feature} is not supported")
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError(f"{arch}: use_bidirectional_attention is not supported")
+        # Gemma 2's config class caps by default (a config.json may leave them out).
+        softcaps = [cfg.get(k, d if family == "gemma2" else None) or None for k, d in (
+            ("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0))]
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -119,7 +124,7 @@ class ModelConfig:
             # (Gemma 3: one set per layer type; its windowed layers' is local).
             rope_params = dict(cfg.get("rope_parameters") or {})
             local_theta = None
-            if gemma:
+            if family == "gemma3":
                 local = dict(rope_params.pop("sliding_attention", None) or {
                     "rope_theta": cfg.get("rope_local_base_freq", 10000.0)})
                 rope_params = dict(rope_params.pop("full_attention", None) or rope_params)
@@ -168,6 +173,8 @@ class ModelConfig:
                 attn_scale=(float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5
                             if gemma else None),
                 local_rope_theta=local_theta,
+                attn_softcap=None if softcaps[0] is None else float(softcaps[0]),
+                final_softcap=None if softcaps[1] is None else float(softcaps[1]),
             )
             rope_inv_freq(c)  # an unsupported rope_scaling fails here, before any weight is read
             return c
@@ -181,16 +188,17 @@ def _sliding_window(cfg: dict, family: str) -> tuple[int | None, tuple[int, ...]
 
     HF's Mistral and Phi-3 window every layer when ``sliding_window`` is set;
     Qwen2/Qwen3 only with ``use_sliding_window``, and only the layers from
-    ``max_window_layers`` on (``layer_types`` in transformers 5); Gemma 3 the
+    ``max_window_layers`` on (``layer_types`` in transformers 5); Gemma the
     "sliding_attention" ones of ``layer_types``, else all but every
-    ``sliding_window_pattern``-th (6); Llama never.
+    ``sliding_window_pattern``-th (Gemma 3's 6; Gemma 2's 2: the even ones);
+    Llama never.
     """
     window, n = cfg.get("sliding_window"), int(cfg["num_hidden_layers"])
     types = cfg.get("layer_types")
     if types is not None and len(types) != n:
         raise ValueError(f"config.json: layer_types has {len(types)} entries for {n} layers")
-    if family == "gemma3":  # its windowed layers rotate by their own base, window or not
-        pattern = int(cfg.get("sliding_window_pattern", 6))
+    if family in ("gemma2", "gemma3"):  # Gemma 3's rotate by their own base, window or not
+        pattern = int(cfg.get("sliding_window_pattern", 6 if family == "gemma3" else 2))
         layers = tuple(i for i in range(n) if (
             types[i] == "sliding_attention" if types is not None else (i + 1) % pattern))
         return (int(window) if window else None), layers
@@ -230,6 +238,11 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
         raise ValueError(f"unsupported rope_scaling type {kind!r} (tandem runs default, "
                          "linear and llama3 RoPE)")
     return inv
+
+
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's final logit soft-capping, cap * tanh(logits / cap) (None: as they are)."""
+    return logits if cap is None else torch.tanh(logits / cap).mul_(cap)
 
 
 class Layer:
@@ -386,7 +399,8 @@ class LlamaModel:
                 qkv[:, h : h + hkv] = ops.rms_norm(qkv[:, h : h + hkv], layer.k_norm, eps)
             q = ops.rope_and_cache(qkv, rope_local if layer.local_rope else rope, h, hkv, cache,
                                    slots)
-            attn = paged_attention(q, cache, meta, self.scale, layer.window)
+            attn = paged_attention(q, cache, meta, self.scale, layer.window,
+                                   self.cfg.attn_softcap or 0.0)
             mlp_in = layer.post_norm
             if layer.attn_out_norm is None:
                 x = layer.o.add(x, attn)
@@ -399,7 +413,7 @@ class LlamaModel:
         if logits_indices is None:
             return None
         x = ops.rms_norm(x.index_select(0, logits_indices), self.norm, eps)
-        return self.lm_head(x).float()
+        return soft_cap(self.lm_head(x).float(), self.cfg.final_softcap)
 
     @property
     def nbytes(self) -> int:

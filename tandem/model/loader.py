@@ -236,7 +236,7 @@ def fuse_weights(
         return t.to(device=device, dtype=dtype).contiguous()
 
     # Gemma's RMSNorm multiplies by 1 + w; the model multiplies by what it holds.
-    shift = 1.0 if cfg.family == "gemma3" and not src.norms_plus_one else 0.0
+    shift = 1.0 if cfg.family in ("gemma2", "gemma3") and not src.norms_plus_one else 0.0
 
     def norm(name: str) -> torch.Tensor:
         t = take(name).float()

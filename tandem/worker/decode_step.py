@@ -19,7 +19,7 @@ import logging
 import torch
 
 from tandem.model.kv_cache import KVCache
-from tandem.model.llama import KERNEL_ACTIVATIONS, LlamaModel
+from tandem.model.llama import KERNEL_ACTIVATIONS, LlamaModel, soft_cap
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +46,10 @@ class DecodeStep:
         kind, tensors = model.lm_head.step_args
         step.set_lm_head(int(kind), *tensors, cfg.vocab_size)
         if (cfg.activation != "silu" or cfg.embed_scale != 1.0 or cfg.attn_scale is not None
-                or model.cos_local is not model.cos):  # Gemma 3's differences
+                or model.cos_local is not model.cos or cfg.attn_softcap):  # Gemma's differences
             step.set_variant(KERNEL_ACTIVATIONS[cfg.activation], cfg.embed_scale, model.scale,
-                             model.cos_local, model.sin_local)
+                             model.cos_local, model.sin_local, cfg.attn_softcap or 0.0)
+        self.final_softcap = cfg.final_softcap
         for layer, cache in zip(model.layers, kv_caches):
             args = [lin.step_args for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             step.add_layer(layer.input_norm, layer.post_norm, [int(k) for k, _ in args],
@@ -83,4 +84,7 @@ class DecodeStep:
         each position -> logits [B, vocab] and each row's argmax (the greedy
         token, so plain greedy sampling runs no torch op after the step). The
         new K/V go to the caches."""
-        return self._step.forward(tokens, block_table)
+        logits, argmax = self._step.forward(tokens, block_table)
+        # tanh keeps the order, so the argmax holds (but for logits past ~9x the
+        # cap, where fp32's tanh saturates and HF's would tie them).
+        return soft_cap(logits, self.final_softcap), argmax

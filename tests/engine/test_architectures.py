@@ -1,5 +1,5 @@
-"""Llama, Mistral, Phi-3, Qwen2 (q/k/v biases), Qwen3 (q/k norms) and Gemma 3 against HF on
-tiny random models, through the one-call decode step, the per-op CPU kernels and the torch
+"""Llama, Mistral, Phi-3, Qwen2 (q/k/v biases), Qwen3 (q/k norms), Gemma 2 and 3 against HF
+on tiny random models, through the one-call decode step, the per-op CPU kernels and the torch
 reference paths; what tandem would compute differently from HF is refused by name."""
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ LLAMA3_ROPE = dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_fa
                                      high_freq_factor=4.0, original_max_position_embeddings=64))
 # Gemma 3's shape: windowed layers around a global one (each with its RoPE base, the
 # global one scaled as the 4B+ models'), a query scale of its own, a tied LM head.
+# Gemma 2's: windowed layers around a global one, its logits soft-capped low enough
+# (attention's at 5, the output's at 3) that tanh bends them.
+GEMMA2 = dict(num_hidden_layers=3, sliding_window=10, query_pre_attn_scalar=24,
+              tie_word_embeddings=True, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
 GEMMA3 = dict(num_hidden_layers=3, sliding_window=10, query_pre_attn_scalar=24,
               tie_word_embeddings=True,
               layer_types=["sliding_attention", "full_attention", "sliding_attention"],
@@ -46,10 +50,11 @@ def hf_model(arch: str, **overrides):
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
-    if arch == "gemma3":
-        overrides = {**GEMMA3, **overrides}
+    if arch in ("gemma2", "gemma3"):
+        overrides = {**(GEMMA2 if arch == "gemma2" else GEMMA3), **overrides}
     torch.manual_seed(0)
     # A copy: transformers adds rope_theta into a rope_scaling dict it is given.
     model = model_cls(cfg_cls(**copy.deepcopy({**COMMON, **overrides}))).eval()
@@ -61,7 +66,7 @@ def hf_model(arch: str, **overrides):
         for layer in model.model.layers:
             layer.self_attn.q_norm.weight.data.uniform_(0.5, 1.5)
             layer.self_attn.k_norm.weight.data.uniform_(0.5, 1.5)
-    if arch == "gemma3":  # every norm random (HF starts them at 0: a scale of 1 + 0)
+    if arch in ("gemma2", "gemma3"):  # every norm random (HF starts them at 0: a scale of 1)
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.data.uniform_(-0.5, 0.5)
@@ -84,8 +89,9 @@ def _engine(path, **kw) -> LLMEngine:
     # Mistral: an explicit head_dim wider than hidden / heads (as Mistral Nemo's 128 at 5120).
     ("mistral", dict(head_dim=32)),
     ("phi3", {}),  # fused qkv_proj and gate_up_proj
-    ("gemma3", {}),  # the prompts run past the window of its windowed layers
-], ids=["llama", "llama3-rope", "qwen2", "qwen3", "mistral", "phi3", "gemma3"])
+    ("gemma2", {}),  # the prompts run past the window of its windowed layers
+    ("gemma3", {}),
+], ids=["llama", "llama3-rope", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3"])
 def test_tiny_models_match_hf(arch, overrides, tmp_path):
     hf = hf_model(arch, **overrides)
     hf.save_pretrained(tmp_path)
@@ -201,8 +207,6 @@ def test_qwen_sliding_window_only_where_hf_uses_it(overrides, window, layers):
     ("GemmaForCausalLM", {}, "unsupported architecture"),
     ("Gemma3ForCausalLM", dict(layer_types=["full_attention"]), "layer_types has 1 entries"),
     ("Gemma3ForCausalLM", dict(hidden_activation="gelu"), "hidden_activation 'gelu'"),
-    ("Gemma3ForCausalLM", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
-    ("Gemma3ForCausalLM", dict(final_logit_softcapping=30.0), "final_logit_softcapping"),
     # EmbeddingGemma attends both ways.
     ("Gemma3ForCausalLM", dict(use_bidirectional_attention=True), "use_bidirectional"),
     ("Gemma3ForCausalLM", dict(rope_parameters={

@@ -143,7 +143,7 @@ def test_the_cpp_step_refuses_what_it_does_not_implement(tmp_path):
     step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
                    layer.k_norm, cache, scale, 0, None, None, False)  # what the model has: accepted
     with pytest.raises(RuntimeError, match="set_variant before add_layer"):
-        step.set_variant(1, 2.0, 0.25, model.cos, model.sin)
+        step.set_variant(1, 2.0, 0.25, model.cos, model.sin, 0.0)
     step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
                    layer.k_norm, cache, scale, 8, None, None, False)  # a sliding window of 8 keys
     with pytest.raises(RuntimeError, match="share one window"):

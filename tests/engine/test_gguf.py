@@ -408,14 +408,16 @@ def _write_tiny_gguf(
     return path
 
 
-@pytest.mark.parametrize("ollama", [False, True], ids=["llama.cpp", "ollama"])
-def test_tiny_gemma3_gguf_serves_as_hf_computes(tmp_path, ollama):
+@pytest.mark.parametrize("arch, ollama", [("gemma3", False), ("gemma3", True), ("gemma2", False)],
+                         ids=["gemma3-llama.cpp", "gemma3-ollama", "gemma2"])
+def test_tiny_gemma_gguf_serves_as_hf_computes(tmp_path, arch, ollama):
     """A Gemma 3 file as llama.cpp writes one (its tensor names, norms stored as
     1 + w, no window pattern or local RoPE base in the metadata: llama.cpp's
     fixed ones) from an HF model: tandem's logits are HF's on every CPU path,
     past the window; the fp32 safetensors hold HF's own norms again. As Ollama
     writes one: the windowed layers named one by one, their RoPE base given, no
-    global base (1e6), and the vision tower's tensors beside the text model's."""
+    global base (1e6), and the vision tower's tensors beside the text model's.
+    A Gemma 2 file: its even layers windowed, its soft-caps from the metadata."""
     import gguf
     import transformers
 
@@ -424,20 +426,28 @@ def test_tiny_gemma3_gguf_serves_as_hf_computes(tmp_path, ollama):
 
     from .cpu_paths import CPU_PATHS, cpu_path
 
-    src = tmp_path / "gemma3.gguf"
-    w = gguf.GGUFWriter(str(src), "gemma3")
+    src = tmp_path / f"{arch}.gguf"
+    w = gguf.GGUFWriter(str(src), arch)
     vocab = _add_tiny_tokenizer(w)
     hidden, heads, kv, hd, ffn, layers, window = 64, 4, 2, 16, 96, 6, 8
-    types = ["sliding_attention", "full_attention"] * 3 if ollama else None
-    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 2e4 if ollama else 1e4},
-            "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
-    torch.manual_seed(0)
-    hf = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+    common = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, sliding_window=window,
         query_pre_attn_scalar=hd, max_position_embeddings=512, initializer_range=0.3,
-        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, layer_types=types,
-        rope_parameters=rope)).eval()
+        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    types = ["sliding_attention", "full_attention"] * 3 if ollama else None
+    torch.manual_seed(0)
+    if arch == "gemma2":
+        hf = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            **common, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)).eval()
+        w.add_attn_logit_softcapping(5.0)
+        w.add_final_logit_softcapping(3.0)
+    else:
+        rope = {"sliding_attention": {"rope_type": "default",
+                                      "rope_theta": 2e4 if ollama else 1e4},
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
+        hf = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **common, layer_types=types, rope_parameters=rope)).eval()
     for name, p in hf.named_parameters():
         if name.endswith("norm.weight"):
             p.data.uniform_(-0.5, 0.5)
@@ -454,7 +464,7 @@ def test_tiny_gemma3_gguf_serves_as_hf_computes(tmp_path, ollama):
         w.add_tensor("v.patch_embd.weight", np.ones((4, 4), np.float32))
         w.add_tensor("mm.input_projection.weight", np.ones((4, 4), np.float32))
     else:
-        w.add_rope_freq_base(1e6)
+        w.add_rope_freq_base(1e6 if arch == "gemma3" else 1e4)
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
              "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -479,7 +489,8 @@ def test_tiny_gemma3_gguf_serves_as_hf_computes(tmp_path, ollama):
 
     out = tg.gguf_to_hf_dir(src, cache_root=tmp_path / "cache", weights=True)
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["architectures"] == ["Gemma3ForCausalLM"] and cfg["sliding_window"] == window
+    assert cfg["architectures"] == [f"{arch.title()}ForCausalLM"]
+    assert cfg["sliding_window"] == window
     mine = load_file(str(out / "model.safetensors"))
     assert set(mine) == set(ref) - {"lm_head.weight"}
     for n, t in mine.items():  # norms: (w + 1) - 1, a rounding off w
@@ -487,7 +498,10 @@ def test_tiny_gemma3_gguf_serves_as_hf_computes(tmp_path, ollama):
                                    rtol=0)
     engine = LLMEngine(EngineConfig(model=str(src), kv_cache_memory="8MiB",
                                     kv_cache_dtype="fp32", max_num_batched_tokens=16))
-    assert engine.model_config.sliding_layers == ((0, 2, 4) if ollama else (0, 1, 2, 3, 4))
+    assert engine.model_config.sliding_layers == (
+        (0, 1, 2, 3, 4) if arch == "gemma3" and not ollama else (0, 2, 4))
+    if arch == "gemma2":
+        assert (engine.model_config.attn_softcap, engine.model_config.final_softcap) == (5, 3)
     ids = list(range(3, 40))
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0]

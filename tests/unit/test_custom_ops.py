@@ -118,7 +118,17 @@ def test_paged_attention_decode_sliding_window(cache_cls, window, h, hkv, d):
         check_paged_attention_decode(cache_cls, h, hkv, d, ctx, 16, window)
 
 
-def check_paged_attention_decode(cache_cls, h, hkv, d, ctx, bs, window=0):
+@pytest.mark.parametrize("cache_cls", [Fp32KVCache, Bf16KVCache, Int8KVCache])
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (8, 4, 256), (4, 1, 32)])
+def test_paged_attention_soft_capped_scores(cache_cls, h, hkv, d):
+    """Gemma 2's soft-capped scores (cap * tanh(s / cap), before the mask and the
+    window), decode and prefill, against the reference path's own arithmetic."""
+    check_paged_attention_decode(cache_cls, h, hkv, d, [1, 17, 300, 45], 16, 20, softcap=3.0)
+    check_paged_attention_prefill(cache_cls, h, hkv, d, [(5, 37), (17, 17), (1, 40)], 7,
+                                  softcap=3.0)
+
+
+def check_paged_attention_decode(cache_cls, h, hkv, d, ctx, bs, window=0, softcap=0.0):
     torch.manual_seed(2)
     nb = -(-max(ctx) // bs)
     tables = [list(range(i * nb, i * nb + -(-c // bs)))[::-1] for i, c in enumerate(ctx)]
@@ -132,8 +142,8 @@ def check_paged_attention_decode(cache_cls, h, hkv, d, ctx, bs, window=0):
                         fused=fused, window=window)
         qf = q if fused else query_as(q, cache_cls)
         out[fused] = paged_attention(qf, cache, AttentionMetadata(None, g, None), d**-0.5,
-                                     window)
-    if 0 < window < max(ctx):  # the window hides keys: not full attention's output
+                                     window, softcap)
+    if 0 < window < max(ctx) or softcap:  # the window hides keys, the cap bends scores
         g = build_group([1] * len(ctx), ctx, padded_block_table(tables, nb), bs, CPU, fused=True)
         full = paged_attention(q, cache, AttentionMetadata(None, g, None), d**-0.5)
         assert not torch.allclose(full, out[True], atol=1e-3)
@@ -165,7 +175,7 @@ def test_paged_attention_prefill_sliding_window(cache_cls, window, h, hkv, d):
     check_paged_attention_prefill(cache_cls, h, hkv, d, [(80, 700)], window)
 
 
-def check_paged_attention_prefill(cache_cls, h, hkv, d, chunks, window=0):
+def check_paged_attention_prefill(cache_cls, h, hkv, d, chunks, window=0, softcap=0.0):
     torch.manual_seed(3)
     bs = 16
     ctx = [c for _, c in chunks]
@@ -182,8 +192,8 @@ def check_paged_attention_prefill(cache_cls, h, hkv, d, chunks, window=0):
                         fused=fused, window=window)
         qf = q if fused else query_as(q, cache_cls)
         out[fused] = paged_attention(qf, cache, AttentionMetadata(None, None, g), d**-0.5,
-                                     window)
-    if 0 < window < max(ctx):  # the window hides keys: not full attention's output
+                                     window, softcap)
+    if 0 < window < max(ctx) or softcap:  # the window hides keys, the cap bends scores
         g = build_group([n for n, _ in chunks], ctx, padded_block_table(tables, nb), bs, CPU,
                         fused=True)
         full = paged_attention(q, cache, AttentionMetadata(None, None, g), d**-0.5)

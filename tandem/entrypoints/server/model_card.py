@@ -15,6 +15,7 @@ from pathlib import Path
 from tandem.engine.client import EngineClient
 
 _FAMILIES = {  # Ollama's family names (Mistral GGUFs are llama's architecture)
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",

@@ -282,8 +282,8 @@ template <typename KV>
 void attend_range(const BlockKernels<KV>& kern, const float* q, int64_t q_head_stride,
                   const KV* cache, const float* kv_scale, const int32_t* table, int64_t start0,
                   int64_t ctx, int64_t block_size, int64_t hkv, int64_t kv0, int64_t kv1,
-                  int64_t group, int64_t D, float scale, float* m, float* l, float* acc,
-                  std::vector<float>& buf) {
+                  int64_t group, int64_t D, float scale, float softcap, float* m, float* l,
+                  float* acc, std::vector<float>& buf) {
   const int64_t nh = (kv1 - kv0) * group, slot_stride = 2 * hkv * D;
   // Blocks per softmax step (kSoftmaxChunk keys, or one larger block).
   const int64_t chunk_blocks = std::max<int64_t>(1, kSoftmaxChunk / block_size);
@@ -322,6 +322,7 @@ void attend_range(const BlockKernels<KV>& kern, const float* q, int64_t q_head_s
     // floor) and are zeroed before PV.
     const int64_t skip = std::max<int64_t>(0, start0 - blk0 * block_size);
     for (int64_t h = 0; h < nh; h++) {
+      if (softcap > 0.f) softcap_scores(sc + h * cs, n, softcap);
       std::fill(sc + h * cs, sc + h * cs + skip, -INFINITY);
       const float alpha = softmax_block(sc + h * cs, n, m[h], l[h]);
       std::fill(sc + h * cs, sc + h * cs + skip, 0.f);
@@ -387,6 +388,7 @@ struct DecodeAttention {
   // A sliding window: each query attends to its last `window` keys (itself
   // included, HF's q - k < W); 0: to its whole context.
   int64_t window = 0;
+  float softcap = 0.f;  // scores soft-capped at this (Gemma 2), or 0
   // The plan.
   int64_t heads_per_item = 1, kv_items = 1, splits = 1, split_tokens = 0, nh = 1, items = 0;
   int64_t total_ctx = 0;
@@ -451,7 +453,7 @@ struct DecodeAttention {
     const float* qb = q + b * qs0 + kv0 * group * qs1;
     auto attend = [&](const auto& kern, const auto* kv, const float* sc) {
       attend_range(kern, qb, qs1, kv, sc, tables + b * nb, lo, hi, block_size, hkv, kv0,
-                   kv0 + heads_per_item, group, D, scale, m, l, acc, buf);
+                   kv0 + heads_per_item, group, D, scale, softcap, m, l, acc, buf);
     };
     switch (kind) {
       case KVKind::kFloat:
@@ -482,7 +484,7 @@ inline DecodeAttention decode_attention(const float* q, int64_t qs0, int64_t qs1
                                         int64_t H, int64_t hkv, int64_t D,
                                         const at::Tensor& block_tables,
                                         const at::Tensor& context_lens, int64_t block_size,
-                                        double scale, int64_t window) {
+                                        double scale, int64_t window, double softcap) {
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                   context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(),
               "block_tables and context_lens must be contiguous int32");
@@ -490,22 +492,24 @@ inline DecodeAttention decode_attention(const float* q, int64_t qs0, int64_t qs1
               "block_tables and context_lens must have a row per sequence");
   TORCH_CHECK(H % hkv == 0, "q and cache heads do not match");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none)");
   return DecodeAttention{q, qs0, qs1, block_tables.data_ptr<int32_t>(), block_tables.size(1),
                          context_lens.data_ptr<int32_t>(), B, hkv, H / hkv, D, block_size,
-                         static_cast<float>(scale), window};
+                         static_cast<float>(scale), window, static_cast<float>(softcap)};
 }
 
 at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& cache,
                                   const std::optional<at::Tensor>& cache_scale,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens,
-                                  int64_t block_size, double scale, int64_t window) {
+                                  int64_t block_size, double scale, int64_t window,
+                                  double softcap) {
   check_float_rows(q, "q");
   TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
   const KVKind kind = kv_kind(cache, cache_scale);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), hkv = cache.size(2);
   TORCH_CHECK(cache.size(3) == D, "q and cache head sizes do not match");
   auto att = decode_attention(q.data_ptr<float>(), q.stride(0), q.stride(1), B, H, hkv, D,
-                              block_tables, context_lens, block_size, scale, window);
+                              block_tables, context_lens, block_size, scale, window, softcap);
   att.plan(at::get_num_threads());
   auto out = at::empty({B, H * D}, q.options());
   std::vector<float> part(att.partial_floats());

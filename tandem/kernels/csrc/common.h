@@ -101,6 +101,27 @@ inline float query_as(float x) {
     return x;
 }
 
+// Gemma 2's attention logit soft-capping, in place: s = cap * tanh(s / cap),
+// tanh(x) as 1 - 2 / (1 + e^2x) through exp_approx (its absolute error, ~1e-7
+// of cap, is what a score carries into the softmax).
+inline float softcap1(float s, float cap) {
+  return cap * (1.f - 2.f / (1.f + exp_approx(s * (2.f / cap))));
+}
+
+inline void softcap_scores(float* s, int64_t n, float cap) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512 c = _mm512_set1_ps(cap), k = _mm512_set1_ps(2.f / cap);
+  const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp_approx16(_mm512_mul_ps(_mm512_loadu_ps(s + i), k));
+    const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(one, e)));
+    _mm512_storeu_ps(s + i, _mm512_mul_ps(c, t));
+  }
+#endif
+  for (; i < n; i++) s[i] = softcap1(s[i], cap);
+}
+
 // src[0 .. n) rounded to bf16 (to nearest even, as torch's .bfloat16()).
 inline void to_bf16(const float* src, int64_t n, at::BFloat16* dst) {
   int64_t i = 0;

@@ -51,11 +51,12 @@ TORCH_LIBRARY(tandem, m) {
       "Tensor slots) -> ()");
   m.def(
       "paged_attention_decode(Tensor q, Tensor cache, Tensor? cache_scale, Tensor block_tables, "
-      "Tensor context_lens, int block_size, float scale, int window=0) -> Tensor");
+      "Tensor context_lens, int block_size, float scale, int window=0, float softcap=0.) "
+      "-> Tensor");
   m.def(
       "paged_attention_prefill(Tensor q, Tensor cache, Tensor? cache_scale, Tensor block_tables, "
-      "Tensor context_lens, Tensor query_starts, int block_size, float scale, int window=0) "
-      "-> Tensor");
+      "Tensor context_lens, Tensor query_starts, int block_size, float scale, int window=0, "
+      "float softcap=0.) -> Tensor");
   m.def("matvec(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, int N) -> Tensor");
   m.class_<tandem::DecodeStep>("DecodeStep")

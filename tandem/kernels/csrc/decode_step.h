@@ -51,6 +51,7 @@ struct DecodeStep : torch::CustomClassHolder {
   at::Tensor cos_local, sin_local;  // Gemma 3's windowed layers' RoPE tables (set_variant)
   Activation act = Activation::kSilu;
   float embed_scale = 1.f;
+  float attn_softcap = 0.f;  // Gemma 2's attention logit soft-capping, or 0
   bool sandwich_ = false;  // some layer has output norms
   int64_t H, hkv = 0, D, hidden, inter, vocab = 0, block_size;
   int64_t window_ = 0;  // the windowed layers' window (0: none has one)
@@ -82,14 +83,16 @@ struct DecodeStep : torch::CustomClassHolder {
     TORCH_CHECK(D % 2 == 0 && block_size > 0, "DecodeStep: odd head size or empty blocks");
   }
 
-  // A model that differs from the Llama layout (Gemma 3): the MLP's
-  // activation, the embedding's scale, the query scale, and the RoPE tables
-  // of windowed layers (add_layer's local_rope). Before the first add_layer.
+  // A model that differs from the Llama layout (Gemma 2 / 3): the MLP's
+  // activation, the embedding's scale, the query scale, the RoPE tables of
+  // windowed layers (add_layer's local_rope; Gemma 2: the global ones) and
+  // the attention logits' soft-cap (0: none). Before the first add_layer.
   void set_variant(int64_t activation, double embed_scale_, double attn_scale,
-                   at::Tensor cos_local_, at::Tensor sin_local_) {
+                   at::Tensor cos_local_, at::Tensor sin_local_, double attn_softcap_) {
     TORCH_CHECK(layers.empty(), "DecodeStep: set_variant before add_layer");
     TORCH_CHECK(activation == 0 || activation == 1, "DecodeStep: unknown activation");
-    TORCH_CHECK(attn_scale > 0 && embed_scale_ > 0, "DecodeStep: scales must be positive");
+    TORCH_CHECK(attn_scale > 0 && embed_scale_ > 0 && attn_softcap_ >= 0,
+                "DecodeStep: scales must be positive");
     dense(cos_local_, cos.size(0), D, "cos_local");
     dense(sin_local_, cos.size(0), D, "sin_local");
     act = static_cast<Activation>(activation);
@@ -97,6 +100,7 @@ struct DecodeStep : torch::CustomClassHolder {
     scale = static_cast<float>(attn_scale);
     cos_local = std::move(cos_local_);
     sin_local = std::move(sin_local_);
+    attn_softcap = static_cast<float>(attn_softcap_);
   }
 
   static void dense(const at::Tensor& t, int64_t rows, int64_t cols, const char* name) {
@@ -230,7 +234,7 @@ struct DecodeStep : torch::CustomClassHolder {
     // Full-context layers' attention plan, and windowed layers' (their items
     // cover each sequence's last window_ keys).
     auto att = decode_attention(qkv_out.data(), qkv_n, D, B, H, hkv, D, block_tables,
-                                context_lens, block_size, scale, 0);
+                                context_lens, block_size, scale, 0, attn_softcap);
     const int64_t max_blocks = num_slots / block_size;
     for (int64_t i = 0; i < block_tables.numel(); i++)
       TORCH_CHECK(att.tables[i] >= 0 && att.tables[i] < max_blocks, "block id out of range");

@@ -44,6 +44,7 @@ struct PrefillTile {
   int32_t limit[16];  // the last key position each row sees (padding lanes: the last row's)
   int32_t first[16];  // the first (0 but in a sliding window); lanes ascend in both
   int64_t rows, keys;
+  float softcap;  // scores soft-capped at this (Gemma 2), or 0
 };
 
 #ifdef __AVX512F__
@@ -108,6 +109,7 @@ inline void tile_block(PrefillTile& t, const float* kb, const float* vb, int64_t
         acc = _mm512_fmadd_ps(_mm512_load_ps(qt + d * 16), _mm512_set1_ps(kb[o * D + d]), acc);
       _mm512_store_ps(sc + o * 16, acc);
     }
+    if (t.softcap > 0.f) softcap_scores(sc, n * 16, t.softcap);
     const __m512 mv = block_softmax(t, n, k0, D, sc);
     __m512 lv = _mm512_loadu_ps(t.l);
     for (o = 0; o < n; o++) {
@@ -135,6 +137,7 @@ inline void tile_block(PrefillTile& t, const float* kb, const float* vb, int64_t
     for (int64_t o = 0; o < n; o++) {
       float s = 0.f;
       for (int64_t d = 0; d < D; d++) s += qt[d * 16 + i] * kb[o * D + d];
+      if (t.softcap > 0.f) s = softcap1(s, t.softcap);
       sc[o * 16 + i] = k0 + o > t.limit[i] || k0 + o < t.first[i] ? -INFINITY : s;
       bm = std::max(bm, sc[o * 16 + i]);
     }
@@ -226,6 +229,7 @@ inline void tile_block_bf16(PrefillTile& t, const uint32_t* qp, const uint32_t* 
       acc = _mm512_dpbf16_ps(acc, pairs_at(qp + d * 16), pair_everywhere(kp[o * k_stride + d]));
     _mm512_store_ps(sc + o * 16, _mm512_mul_ps(acc, sv));
   }
+  if (t.softcap > 0.f) softcap_scores(sc, n * 16, t.softcap);
   const __m512 mv = block_softmax(t, n, k0, D, sc);
   // Probabilities of keys 2i and 2i + 1 paired, then O^T[d] += both at once.
   __m512 lv = _mm512_loadu_ps(t.l);
@@ -267,7 +271,7 @@ template <typename KV>
 void prefill_item(const PrefillItem& it, const float* q, int64_t qs0, int64_t qs1, const KV* cache,
                   const float* kv_scale, const int32_t* table, int64_t ctx, int64_t qlen,
                   int64_t q0, int64_t hkv, int64_t G, int64_t D, int64_t block_size, float scale,
-                  int64_t window, float* out, std::vector<float>& buf) {
+                  int64_t window, float softcap, float* out, std::vector<float>& buf) {
   const int64_t per_tile = 16 / it.gn, ntiles = (it.tokens + per_tile - 1) / per_tile;
   const int64_t slot_stride = 2 * hkv * D;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -299,6 +303,7 @@ void prefill_item(const PrefillItem& it, const float* q, int64_t qs0, int64_t qs
     t.qt = base_ptr + k * D * 32;
     t.ot = t.qt + D * 16;
     t.rows = std::min(per_tile, it.tokens - k * per_tile) * it.gn;
+    t.softcap = softcap;
     std::fill(t.m, t.m + 16, -INFINITY);
     std::fill(t.l, t.l + 16, 0.f);
     for (int64_t i = 0; i < 16; i++) {
@@ -366,7 +371,7 @@ at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& cache,
                                    const std::optional<at::Tensor>& cache_scale,
                                    const at::Tensor& block_tables, const at::Tensor& context_lens,
                                    const at::Tensor& query_starts, int64_t block_size,
-                                   double scale, int64_t window) {
+                                   double scale, int64_t window, double softcap) {
   check_float_rows(q, "q");
   TORCH_CHECK(q.dim() == 3, "q must be [T, H, D]");
   const KVKind kind = kv_kind(cache, cache_scale);
@@ -374,6 +379,7 @@ at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& cache,
   TORCH_CHECK(cache.size(3) == D, "q and cache head sizes do not match");
   TORCH_CHECK(H % hkv == 0, "q and cache heads do not match");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none)");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                   context_lens.scalar_type() == at::kInt && context_lens.is_contiguous() &&
                   query_starts.scalar_type() == at::kInt && query_starts.is_contiguous(),
@@ -423,7 +429,7 @@ at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& cache,
       auto run = [&](const auto* kv) {
         prefill_item(it, qp, q.stride(0), q.stride(1), kv, sp, tables + it.b * nb, lens[it.b],
                      qlen, starts[it.b], hkv, G, D, block_size, static_cast<float>(scale),
-                     window, op, buf);
+                     window, static_cast<float>(softcap), op, buf);
       };
       switch (kind) {
         case KVKind::kFloat:
