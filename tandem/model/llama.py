@@ -43,6 +43,15 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+# Gemma 3 4B-27B checkpoints (Gemma3ForConditionalGeneration: the text model beside a
+# vision tower) nest the text model's config under text_config, leaving out what
+# equals transformers' Gemma3TextConfig defaults: these.
+_GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+    "bos_token_id": 2, "eos_token_id": 1, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+}
 # The gated MLP's activation: HF's name -> tandem's (ModelConfig.activation).
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -97,6 +106,11 @@ class ModelConfig:
         """The config of a supported architecture; a ValueError naming any
         feature tandem would otherwise compute differently from HF."""
         archs = cfg.get("architectures") or []
+        if "Gemma3ForConditionalGeneration" in archs:  # its text model is served
+            cfg = {"tie_word_embeddings": cfg.get("tie_word_embeddings", True),
+                   **_GEMMA3_TEXT_DEFAULTS, **(cfg.get("text_config") or {}),
+                   "architectures": ["Gemma3ForCausalLM"]}
+            archs = cfg["architectures"]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(

@@ -95,10 +95,21 @@ class SafetensorsWeights:
             except Exception as e:  # safetensors raises its own error types
                 raise ValueError(f"cannot read weights {f}: {e}") from None
             self.nbytes += f.stat().st_size
-        self.num_tensors = len(self._where)
+        # A multimodal checkpoint (Gemma 3 4B-27B) holds its text model under
+        # language_model. (transformers 5's own layout: model.language_model.);
+        # its vision tower's tensors are not taken.
+        self._names = {n: n for n in self._where}
+        for prefix, to in (("language_model.", ""), ("model.language_model.", "model.")):
+            if any(n.startswith((prefix + "model.", prefix + "layers.")) for n in self._where):
+                self._names = {to + n[len(prefix):]: n for n in self._where
+                               if n.startswith(prefix)}
+                if "lm_head.weight" in self._where:  # transformers 5 keeps it at the top
+                    self._names["lm_head.weight"] = "lm_head.weight"
+        self.num_tensors = len(self._names)
 
     def pop(self, name: str) -> torch.Tensor:
-        return self._where.pop(name).get_tensor(name)
+        stored = self._names.pop(name)
+        return self._where.pop(stored).get_tensor(stored)
 
 
 class DummyWeights:

@@ -238,6 +238,49 @@ def test_gemma3_hub_config_is_read():
                                 if k != "tie_word_embeddings"}).tie_word_embeddings
 
 
+def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path):
+    """A Gemma 3 4B-27B checkpoint (Gemma3ForConditionalGeneration): its text
+    model's weights under language_model., beside a vision tower that is not
+    read; HF's text logits on every CPU path."""
+    import transformers
+
+    torch.manual_seed(0)
+    text = {k: v for k, v in {**COMMON, **GEMMA3}.items() if k != "tie_word_embeddings"}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    hf = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=95,
+        boi_token_index=93, eoi_token_index=94)).eval()
+    for name, p in hf.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.uniform_(-0.5, 0.5)
+    hf.save_pretrained(tmp_path)
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([PROMPTS[2]])).logits[0]
+    engine = _engine(tmp_path)
+    assert engine.model_config.architecture == "Gemma3ForCausalLM"
+    for path in CPU_PATHS:
+        with cpu_path(engine, path):
+            torch.testing.assert_close(engine.score_tokens(PROMPTS[2]), want, atol=1e-4,
+                                       rtol=1e-4)
+
+
+def test_gemma3_multimodal_hub_config_takes_transformers_defaults():
+    """gemma-3-4b-it's config.json names only what differs from Gemma3TextConfig's
+    defaults in its text_config; the rest are those defaults."""
+    cfg = ModelConfig.from_hf({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                        "model_type": "gemma3_text", "num_hidden_layers": 34,
+                        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024}})
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (8, 4, 256)
+    assert (cfg.vocab_size, cfg.max_position_embeddings) == (262_208, 131_072)
+    assert cfg.sliding_window == 1024 and len(cfg.sliding_layers) == 34 - 5
+    assert cfg.rope_scaling == {"factor": 8.0, "rope_type": "linear"}
+    assert cfg.tie_word_embeddings and cfg.attn_scale == 256**-0.5
+
+
 def test_transformers5_rope_parameters_are_read(tmp_path):
     """rope_theta and the scaling nested in rope_parameters, as transformers 5 saves them."""
     hf_model("llama", rope_theta=5e5, **LLAMA3_ROPE).save_pretrained(tmp_path)
