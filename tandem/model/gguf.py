@@ -376,37 +376,29 @@ def _hf_config(reader, arch: str, tensors: dict, src: Path) -> tuple[dict, str |
     window = get("attention.sliding_window")
     if arch in ("phi3", "gemma2", "gemma3") and window:  # phi3's 0: none; llama's: not read
         config["sliding_window"] = int(window)
-    if arch == "gemma2":
-        # What llama.cpp assumes of a gemma2 file: the even layers windowed;
-        # queries scaled by the head size, but the 27B's (46 layers) by hidden /
-        # heads. Soft-caps the file leaves out are Gemma 2's defaults (ModelConfig).
-        config.update(
-            hidden_activation="gelu_pytorch_tanh",
-            query_pre_attn_scalar=hidden // n_heads if n_layers == 46 else head_dim)
+    if arch in ("gemma2", "gemma3"):
+        # What llama.cpp assumes of a Gemma file: queries scaled by the head
+        # size, but the 27Bs' (gemma2: 46 layers, gemma3: 62) by hidden / heads;
+        # gemma2's even layers windowed (ModelConfig's default), gemma3's every
+        # 6th layer global and the others windowed with RoPE base 10000. Soft-caps
+        # the file leaves out are the config class's defaults (ModelConfig).
+        big = n_layers == (46 if arch == "gemma2" else 62)
+        config.update(hidden_activation="gelu_pytorch_tanh",
+                      query_pre_attn_scalar=hidden // n_heads if big else head_dim)
+        del config["hidden_act"]
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if get(key) is not None:
                 config[key] = float(get(key))
-        del config["hidden_act"]
-    if arch == "gemma3":
-        # What llama.cpp assumes of a gemma3 file: every 6th layer global, the
-        # others windowed with RoPE base 10000; queries scaled by the head size,
-        # but the 27B's (62 layers) by hidden / heads. Ollama's files may name
-        # the windowed layers (a bool per layer) and their base.
+    if arch == "gemma3":  # Ollama's files may name the windowed layers and their base
         pattern = get("attention.sliding_window_pattern")
-        config.update(
-            hidden_activation="gelu_pytorch_tanh", sliding_window_pattern=6,
-            rope_local_base_freq=float(get("rope.local.freq_base", 10000.0)),
-            query_pre_attn_scalar=hidden // n_heads if n_layers == 62 else head_dim)
+        config.update(sliding_window_pattern=6,
+                      rope_local_base_freq=float(get("rope.local.freq_base", 10000.0)))
         if isinstance(pattern, list):
             if len(pattern) != n_layers:
                 raise ValueError(f"{src}: {arch}.attention.sliding_window_pattern has "
                                  f"{len(pattern)} entries for {n_layers} layers")
             config["layer_types"] = ["sliding_attention" if p else "full_attention"
                                      for p in pattern]
-        softcap = get("final_logit_softcapping")
-        if softcap:  # refused by name when the model is built
-            config["final_logit_softcapping"] = float(softcap)
-        del config["hidden_act"]
     special = (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding"))
     for key, name in special:
         value = _field(reader, f"tokenizer.ggml.{name}_token_id")

@@ -349,6 +349,7 @@ class LlamaModel:
         self.eps = cfg.rms_norm_eps
         self.h, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = cfg.attn_scale or self.d**-0.5
+        self.attn_softcap = cfg.attn_softcap or 0.0  # the kernels' "none" is 0
         self.embed = weights["embed"]  # [vocab, hidden]
         self.norm = weights["norm"]
         self.lm_head: Linear = weights["lm_head"]  # dense, or int8 in quantized models
@@ -413,16 +414,15 @@ class LlamaModel:
                 qkv[:, h : h + hkv] = ops.rms_norm(qkv[:, h : h + hkv], layer.k_norm, eps)
             q = ops.rope_and_cache(qkv, rope_local if layer.local_rope else rope, h, hkv, cache,
                                    slots)
-            attn = paged_attention(q, cache, meta, self.scale, layer.window,
-                                   self.cfg.attn_softcap or 0.0)
-            mlp_in = layer.post_norm
+            attn = paged_attention(q, cache, meta, self.scale, layer.window, self.attn_softcap)
             if layer.attn_out_norm is None:
                 x = layer.o.add(x, attn)
                 x = layer.down.add(x, ops.act_and_mul(
-                    layer.gate_up(ops.rms_norm(x, mlp_in, eps)), act))
+                    layer.gate_up(ops.rms_norm(x, layer.post_norm, eps)), act))
             else:  # the residual adds what the output norms make of each block's output
                 x = x + ops.rms_norm(layer.o(attn), layer.attn_out_norm, eps)
-                y = layer.down(ops.act_and_mul(layer.gate_up(ops.rms_norm(x, mlp_in, eps)), act))
+                y = layer.down(ops.act_and_mul(
+                    layer.gate_up(ops.rms_norm(x, layer.post_norm, eps)), act))
                 x = x + ops.rms_norm(y, layer.mlp_out_norm, eps)
         if logits_indices is None:
             return None

@@ -45,10 +45,9 @@ class DecodeStep:
             cfg.intermediate_size, block_size, model.eps)
         kind, tensors = model.lm_head.step_args
         step.set_lm_head(int(kind), *tensors, cfg.vocab_size)
-        if (cfg.activation != "silu" or cfg.embed_scale != 1.0 or cfg.attn_scale is not None
-                or model.cos_local is not model.cos or cfg.attn_softcap):  # Gemma's differences
-            step.set_variant(KERNEL_ACTIVATIONS[cfg.activation], cfg.embed_scale, model.scale,
-                             model.cos_local, model.sin_local, cfg.attn_softcap or 0.0)
+        # Llama's layout is the defaults set_variant sets again; Gemma's differ.
+        step.set_variant(KERNEL_ACTIVATIONS[cfg.activation], cfg.embed_scale, model.scale,
+                         model.cos_local, model.sin_local, model.attn_softcap)
         self.final_softcap = cfg.final_softcap
         for layer, cache in zip(model.layers, kv_caches):
             args = [lin.step_args for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]

@@ -274,10 +274,11 @@ inline float softmax_block(float* s, int64_t n, float& m, float& l) {
 }
 
 // One decode query per sequence against part of its paged context: the query
-// heads of KV heads [kv0, kv1) over tokens [start0, ctx). A single pass, block by block, with an online softmax: each cache row
-// (a slot's K and V heads, contiguous) is read from memory once, and the heads
-// sharing a KV head reuse it from L1. Leaves the running max m, sum l and
-// un-normalized numerator acc [nh, D] of each head for merge_partials.
+// heads of KV heads [kv0, kv1) over tokens [start0, ctx). A single pass, block
+// by block, with an online softmax: each cache row (a slot's K and V heads,
+// contiguous) is read from memory once, and the heads sharing a KV head reuse
+// it from L1. Leaves the running max m, sum l and un-normalized numerator acc
+// [nh, D] of each head for merge_partials.
 template <typename KV>
 void attend_range(const BlockKernels<KV>& kern, const float* q, int64_t q_head_stride,
                   const KV* cache, const float* kv_scale, const int32_t* table, int64_t start0,

@@ -292,10 +292,7 @@ struct DecodeStep : torch::CustomClassHolder {
         const float* wp = w.data_ptr<float>();
         for (int64_t b = 0; b < B; b++) {
           const float* o = out_rows.data() + b * hidden;
-          float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-          for (int64_t i = 0; i < hidden; i++) ss += o[i] * o[i];
-          const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+          const float inv = inv_rms(o, hidden, eps);
           float* xb = x.data() + b * hidden;
 #pragma omp simd
           for (int64_t i = h0; i < h1; i++) xb[i] += wp[i] * (o[i] * inv);

@@ -7,11 +7,16 @@
 namespace tandem {
 
 // o = x / sqrt(mean(x^2) + eps) * w over one row of n (o may be x).
-inline void rms_norm_row(const float* x, const float* w, int64_t n, float eps, float* o) {
+// 1 / sqrt(mean(x^2) + eps) of one row of n values.
+inline float inv_rms(const float* x, int64_t n, float eps) {
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  return 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+}
+
+inline void rms_norm_row(const float* x, const float* w, int64_t n, float eps, float* o) {
+  const float inv = inv_rms(x, n, eps);
 #pragma omp simd
   for (int64_t i = 0; i < n; i++) o[i] = w[i] * (x[i] * inv);
 }
