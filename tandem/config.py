@@ -314,6 +314,11 @@ class EngineConfig:
         True, "split long prompts over steps (off: each prompt in one step, which needs a "
         "budget >= max-model-len)")
     enable_prefix_caching: bool = _flag(True, "reuse the KV of shared prompt prefixes")
+    disable_hybrid_kv_cache_manager: bool = _flag(
+        False, "hold every layer's KV for a request's whole context; by default a model that "
+        "mixes sliding-window and full-attention layers (Gemma 2 and 3) releases its windowed "
+        "layers' blocks as they slide out of the window (KV hand-off between replicas needs "
+        "this flag)")
     num_threads: int | None = _flag(
         None, "CPU threads for the model (default: the cores this process may use, from its "
         "affinity mask and cgroup CPU quota; `tandem serve` then uses fewer while other "

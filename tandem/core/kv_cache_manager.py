@@ -23,6 +23,20 @@ Prefix caching (vLLM's automatic prefix caching):
 * A cached block with ref count 0 counts as free (usage returns to ~0 at idle);
   reviving it takes it out of the free list, i.e. it consumes free capacity.
 
+Sliding-window groups (vLLM's hybrid KV cache manager): in a model that mixes
+full-attention layers with layers that see only their last W keys (Gemma 2 and
+3), the layers are split into groups of equally many (``group_layers``), each
+group with a block table of its own over the one pool; a block holds one
+group's layers. Group 0 and the other full-attention groups keep every block
+of a request; a window group releases the blocks that slid out of its window
+for every query to come (``NULL_BLOCK`` takes their place), so a long request
+holds ~W tokens of those layers, not its whole context. A window group's block
+is only a prefix-cache hit when the full-attention block at its index is
+(checked as above) and is the very block it was registered beside (its id and
+``generation``, bumped on every reuse): so a window block holds exactly the
+KV of the prefix the group-0 chain checked. A hit needs the window groups'
+blocks for the last W keys before the hit, not the ones before.
+
 Invariant (tests assert it): once no request holds blocks, every ref count is 0
 and every block is in the free list.
 """
@@ -32,12 +46,15 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from tandem.core.request import Request
 
 logger = logging.getLogger(__name__)
 
 NONE_HASH = 0
+NULL_BLOCK = -1  # a window group's entry for a block that slid out of its window
+MAX_KV_GROUPS = 8  # more block tables cost each step more host work than padding saves
 
 
 def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
@@ -64,22 +81,101 @@ def chain_block_hashes(
     return out
 
 
+@dataclass(frozen=True)
+class KVCacheGroups:
+    """How the layers share the pool: ``windows[g]`` is group g's window in keys
+    (0: full attention; group 0 always is), ``layer_group[l]`` / ``layer_slot[l]``
+    layer l's group and its place in the group's ``group_size`` layers. A pool
+    block holds one group's layers, so it is ``group_size`` layers' KV; a
+    group with fewer layers leaves the rest of its blocks unused."""
+
+    group_size: int
+    windows: tuple[int, ...]
+    layer_group: tuple[int, ...]
+    layer_slot: tuple[int, ...]
+
+    @property
+    def hybrid(self) -> bool:
+        return len(self.windows) > 1
+
+    def blocks_for(self, num_tokens: int, block_size: int, chunk: int) -> int:
+        """Pool blocks one request of num_tokens holds at most, its steps
+        computing up to ``chunk`` tokens: a window group keeps the blocks of
+        its last W - 1 keys and of the chunk being computed."""
+        n = -(-num_tokens // block_size)
+        return sum(n if not w else min(n, -(-(w - 1 + chunk) // block_size) + 1)
+                   for w in self.windows)
+
+
+def group_layers(layer_windows: Sequence[int], hybrid: bool = True) -> KVCacheGroups:
+    """Split the layers into KV cache groups by window. One group of every layer
+    (no block released) unless ``hybrid`` and the model mixes full-attention
+    layers with windowed ones: a group of windowed layers only saves memory
+    beside a full-attention group 0 to check its prefix hits against. The
+    group size pads the fewest layers with at most MAX_KV_GROUPS groups
+    (Gemma 3 1B's 4 full and 22 windowed layers: 7 groups of 4)."""
+    n = len(layer_windows)
+    kinds = sorted(set(layer_windows))
+    if not hybrid or len(kinds) == 1 or kinds[0] != 0:
+        return KVCacheGroups(n, (0,), (0,) * n, tuple(range(n)))
+    members = [[i for i, w in enumerate(layer_windows) if w == k] for k in kinds]
+
+    def cost(size: int) -> tuple[int, int]:  # (padded layers, groups)
+        groups = sum(-(-len(m) // size) for m in members)
+        return groups * size, groups
+
+    size = min((s for s in range(1, min(map(len, members)) + 1)
+                if cost(s)[1] <= MAX_KV_GROUPS), key=lambda s: (cost(s), -s), default=None)
+    if size is None:
+        return KVCacheGroups(n, (0,), (0,) * n, tuple(range(n)))
+    windows: list[int] = []
+    group, slot = [0] * n, [0] * n
+    for k, m in zip(kinds, members):
+        for j, layer in enumerate(m):
+            if j % size == 0:
+                windows.append(k)
+            group[layer], slot[layer] = len(windows) - 1, j % size
+    return KVCacheGroups(size, tuple(windows), tuple(group), tuple(slot))
+
+
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "parent_id")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "parent_id", "generation",
+                 "group", "peer_generation")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: int | None = None
         self.token_ids: tuple[int, ...] | None = None
-        self.parent_id: int | None = None  # block matched before this one; -1 = first
+        # Group 0: the block matched before this one (-1 = first); another group's:
+        # the group-0 block at its index when it was registered.
+        self.parent_id: int | None = None
+        self.generation = 0  # bumped each time the block is taken fresh
+        self.group = 0
+        self.peer_generation = 0  # a window block's peer's generation when registered
 
     def __repr__(self) -> str:
         return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
 
 
+@dataclass
+class ComputedBlocks:
+    """A prefix-cache hit: group 0's blocks and, per other group, its blocks at
+    the same indices (None where its window has passed)."""
+
+    blocks: list[KVCacheBlock]
+    groups: list[list[KVCacheBlock | None]]
+
+    def held(self) -> list[KVCacheBlock]:
+        return self.blocks + [b for g in self.groups for b in g if b is not None]
+
+
 class KVCacheManager:
-    """Allocates blocks to requests; optionally reuses cached prefix blocks."""
+    """Allocates blocks to requests; optionally reuses cached prefix blocks.
+
+    ``windows``: each KV cache group's window (KVCacheGroups.windows); groups
+    past the first keep their block ids in ``request.group_block_ids``.
+    """
 
     def __init__(
         self,
@@ -87,19 +183,24 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         hash_fn: Callable[[int, Sequence[int]], int] = hash_block_tokens,
+        windows: Sequence[int] = (0,),
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        if not windows or windows[0] != 0 or any(w < 0 for w in windows):
+            raise ValueError(f"KV cache group 0 must be full attention, got windows {windows}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_fn = hash_fn
+        self.windows = tuple(windows[1:])  # the groups past group 0
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         # Insertion order = eviction order (first = least recently used).
         self.free_blocks: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks
         )
         self.cached: dict[int, KVCacheBlock] = {}
+        self.group_cached: list[dict[int, KVCacheBlock]] = [{} for _ in self.windows]
         # Prefix-cache counters in tokens (vLLM's prefix_cache_queries / _hits),
         # advanced by the scheduler when a request is admitted, not per lookup.
         self.prefix_cache_queries = 0
@@ -118,6 +219,11 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def _first_needed(self, g: int, num_tokens: int) -> int:
+        """Group g+1's first block a query at position num_tokens (or later) sees."""
+        w = self.windows[g]
+        return max(0, num_tokens - w + 1) // self.block_size if w else 0
+
     # ------------------------------------------------------------ prefix cache
     def _update_block_hashes(self, request: Request, upto_tokens: int) -> None:
         """Extend request.block_hashes over its full blocks within upto_tokens."""
@@ -126,18 +232,44 @@ class KVCacheManager:
             request.token_ids, self.block_size, upto_tokens // self.block_size, self.hash_fn,
             hashes[-1] if hashes else NONE_HASH, len(hashes)))
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, request: Request) -> tuple[ComputedBlocks, int]:
         """The longest cached prefix of the request, as blocks and a token count.
 
         The last token is never served from cache: it must run through the model
         to produce logits for the next token.
         """
         if not self.enable_caching:
-            return [], 0
+            return ComputedBlocks([], [[] for _ in self.windows]), 0
         limit = request.num_tokens - 1
         self._update_block_hashes(request, limit)
-        hits = self._match(request.block_hashes[: limit // self.block_size], request.token_ids)
-        return hits, len(hits) * self.block_size
+        hashes = request.block_hashes[: limit // self.block_size]
+        hits = self._match(hashes, request.token_ids)
+        if not self.windows:
+            return ComputedBlocks(hits, []), len(hits) * self.block_size
+        # Per other group, its blocks peered with the hits and how many run
+        # unbroken up to each index; the hit shrinks until each group has the
+        # blocks its window needs.
+        found, runs = [], []
+        for cached in self.group_cached:
+            blocks, run, r = [], [], 0
+            for h, peer in zip(hashes, hits):
+                b = cached.get(h)
+                if b is not None and (b.parent_id != peer.block_id
+                                      or b.peer_generation != peer.generation):
+                    b = None
+                r = r + 1 if b is not None else 0
+                blocks.append(b)
+                run.append(r)
+            found.append(blocks)
+            runs.append(run)
+        n = len(hits)
+        bs = self.block_size
+        while n and any(run[n - 1] < n - self._first_needed(g, n * bs)
+                        for g, run in enumerate(runs)):
+            n -= 1
+        groups = [[None] * self._first_needed(g, n * bs)
+                  + blocks[self._first_needed(g, n * bs): n] for g, blocks in enumerate(found)]
+        return ComputedBlocks(hits[:n], groups), n * bs
 
     def _match(self, hashes: Sequence[int], tokens: Sequence[int]) -> list[KVCacheBlock]:
         """The cached blocks of the longest prefix of this hash chain, checked (see above)."""
@@ -157,7 +289,7 @@ class KVCacheManager:
         return hits
 
     def cached_prefix(self, token_ids: Sequence[int]) -> list[KVCacheBlock]:
-        """The cached blocks of token_ids' longest cached full-block prefix."""
+        """The cached blocks of token_ids' longest cached full-block prefix (group 0)."""
         n = len(token_ids) // self.block_size
         return self._match(chain_block_hashes(token_ids, self.block_size, n, self.hash_fn),
                            token_ids)
@@ -169,19 +301,17 @@ class KVCacheManager:
         them once written) and the chain indices of the fresh ones, whose KV the
         caller must write. Stops early when the pool has no free block or another
         chain holds a hash; those tokens are then recomputed, as on a miss.
+        Group 0 only: the engine refuses KV hand-off with window groups.
         """
         bs = self.block_size
         hashes = chain_block_hashes(token_ids, bs, len(token_ids) // bs, self.hash_fn)
         held = self._match(hashes, token_ids)
-        for b in held:
-            if b.ref_cnt == 0:
-                del self.free_blocks[b.block_id]
-            b.ref_cnt += 1
+        self._hold(held)
         fresh: list[int] = []
         for i in range(len(held), len(hashes)):
             if hashes[i] in self.cached or not self.free_blocks:
                 break
-            block = self._take_free()
+            block = self._take_free(0)
             block.block_hash = hashes[i]
             block.token_ids = tuple(token_ids[i * bs : (i + 1) * bs])
             block.parent_id = held[-1].block_id if held else -1
@@ -191,7 +321,8 @@ class KVCacheManager:
         return held, fresh
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Register the request's blocks that are full within num_tokens."""
+        """Register the request's blocks that are full within num_tokens (every
+        group's at an index group 0 registers there)."""
         self._update_block_hashes(request, num_tokens)
         bs = self.block_size
         tokens = request.token_ids
@@ -215,55 +346,92 @@ class KVCacheManager:
             block.token_ids = tuple(tokens[i * bs : (i + 1) * bs])
             block.parent_id = block_ids[i - 1] if i else -1
             self.cached[h] = block
+            for ids, cached in zip(request.group_block_ids, self.group_cached):
+                peered = self.blocks[ids[i]]  # computed this step: not released yet
+                peered.block_hash, peered.token_ids = h, block.token_ids
+                peered.parent_id, peered.peer_generation = block.block_id, block.generation
+                cached[h] = peered  # a stale entry (its peer was evicted) is replaced
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
     # -------------------------------------------------------------- allocation
-    def _take_free(self) -> KVCacheBlock:
+    def _take_free(self, group: int) -> KVCacheBlock:
         _, block = self.free_blocks.popitem(last=False)
         if block.block_hash is not None:  # evict its cached contents
-            if self.cached.get(block.block_hash) is block:
-                del self.cached[block.block_hash]
+            cached = self.group_cached[block.group - 1] if block.group else self.cached
+            if cached.get(block.block_hash) is block:
+                del cached[block.block_hash]
             block.block_hash = None
             block.token_ids = None
             block.parent_id = None
         block.ref_cnt = 1
+        block.generation += 1
+        block.group = group
         return block
+
+    def _hold(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """One more reference to each block (a free one leaves the free list)."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                del self.free_blocks[b.block_id]
+            b.ref_cnt += 1
+
+    def _remove_skipped_blocks(self, request: Request) -> None:
+        """Release each window group's blocks that no query of the request from
+        its next token on sees (vLLM's name): they stay cached while free."""
+        for g, ids in enumerate(request.group_block_ids):
+            i = min(self._first_needed(g, request.num_computed_tokens), len(ids)) - 1
+            while i >= 0 and ids[i] != NULL_BLOCK:
+                self.release((ids[i],))
+                ids[i] = NULL_BLOCK
+                i -= 1
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        new_computed_blocks: ComputedBlocks | None = None,
         reserve_blocks: int = 0,
     ) -> bool:
-        """Make room for num_new_tokens more tokens; False (and no change) if full.
+        """Make room for num_new_tokens more tokens; False (and no change, but
+        that blocks which slid out of a window are released) if full.
 
         new_computed_blocks: prefix-cache hits being attached at admission.
         reserve_blocks: free blocks that must remain afterwards (admission control
         keeps headroom for running requests so they are not preempted at once).
         """
-        total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        hits = new_computed_blocks or ComputedBlocks([], [[] for _ in self.windows])
+        if len(request.group_block_ids) != len(self.windows):
+            request.group_block_ids = [[] for _ in self.windows]
+        self._remove_skipped_blocks(request)
+        total = request.num_computed_tokens + len(hits.blocks) * self.block_size
         total += num_new_tokens
-        num_new_blocks = self.blocks_needed(total) - len(request.block_ids)
-        num_new_blocks -= len(new_computed_blocks)
-        revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if max(num_new_blocks, 0) + revived + reserve_blocks > len(self.free_blocks):
+        want = self.blocks_needed(total)
+        num_new_blocks = [want - len(request.block_ids) - len(hits.blocks)] + [
+            want - len(ids) - len(g) for ids, g in zip(request.group_block_ids, hits.groups)]
+        held = hits.held()
+        revived = sum(1 for b in held if b.ref_cnt == 0)
+        if sum(max(n, 0) for n in num_new_blocks) + revived + reserve_blocks > len(
+                self.free_blocks):
             return False
-        for b in new_computed_blocks:
-            if b.ref_cnt == 0:
-                del self.free_blocks[b.block_id]
-            b.ref_cnt += 1
-            request.block_ids.append(b.block_id)
-        for _ in range(num_new_blocks):
-            request.block_ids.append(self._take_free().block_id)
+        self._hold(held)
+        request.block_ids.extend(b.block_id for b in hits.blocks)
+        for ids, g in zip(request.group_block_ids, hits.groups):
+            ids.extend(NULL_BLOCK if b is None else b.block_id for b in g)
+        for group, (ids, n) in enumerate(zip([request.block_ids, *request.group_block_ids],
+                                             num_new_blocks)):
+            for _ in range(n):
+                ids.append(self._take_free(group).block_id)
         if self.enable_caching:
             self._cache_full_blocks(request, total)
         return True
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (the tail is evicted first)."""
+        for ids in request.group_block_ids:
+            self.release([b for b in ids if b != NULL_BLOCK])
         self.release(request.block_ids)
         request.block_ids = []
+        request.group_block_ids = []
         request.num_cached_blocks = 0
 
     def release(self, block_ids: Sequence[int]) -> None:

@@ -5,7 +5,9 @@ Invariants (kept by the scheduler and KV cache manager):
   the cache. A request samples a token exactly when a step brings
   ``num_computed_tokens`` up to ``num_tokens``.
 * ``block_ids`` holds ceil(num_computed_tokens / block_size) blocks or more
-  (the blocks for the tokens scheduled in the current step).
+  (the blocks for the tokens scheduled in the current step); with sliding-window
+  KV cache groups, ``group_block_ids`` holds the other groups' as many, NULL_BLOCK
+  where a block slid out of the group's window.
 * Preemption resets ``num_computed_tokens`` to 0 and frees the blocks, but keeps
   the output: the request is re-prefilled as prompt + output, never lost.
 * Every timestamp comes from ``time.monotonic()``.
@@ -104,6 +106,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        self.group_block_ids: list[list[int]] = []  # KV cache groups past the first
         self.block_hashes: list[int] = []  # chained hashes of full blocks, filled lazily
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
         self.num_cached_tokens = -1  # prefix-cache hit on first admission; -1 = not yet

@@ -9,6 +9,7 @@ Not thread-safe: AsyncEngine drives it from one background thread.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import time
@@ -19,7 +20,7 @@ import torch
 
 from tandem.config import EngineConfig, host_memory, resolve_dtype
 from tandem.core.detokenizer import IncrementalDetokenizer
-from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.kv_cache_manager import KVCacheManager, group_layers
 from tandem.core.output_processor import EngineCoreOutput, process_output
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler import Scheduler
@@ -104,9 +105,12 @@ class LLMEngine:
         cfg, c = self.model_config, self.config
         # The element type the pool holds ("auto" resolved once, here).
         self.kv_cache_dtype = kv_cache_dtype_name(c.kv_cache_dtype, self.device, self.dtype)
-        bytes_per_token = cfg.num_hidden_layers * kv_cache_class(
-            self.kv_cache_dtype).bytes_per_token_layer(cfg.num_key_value_heads, cfg.head_dim)
-        block_bytes = bytes_per_token * c.block_size
+        layer_bytes = kv_cache_class(self.kv_cache_dtype).bytes_per_token_layer(
+            cfg.num_key_value_heads, cfg.head_dim)
+        bytes_per_token = cfg.num_hidden_layers * layer_bytes  # every layer's KV of a token
+        groups = group_layers([cfg.layer_window(i) for i in range(cfg.num_hidden_layers)],
+                              hybrid=not c.disable_hybrid_kv_cache_manager)
+        block_bytes = groups.group_size * layer_bytes * c.block_size  # one group's layers
         # An explicit budget holds for every step (vLLM's semantics); CPU's default
         # follows the model's cost and caps prompt tokens in steps with decodes.
         budget_tokens, prefill_cap = c.max_num_batched_tokens, None
@@ -126,22 +130,29 @@ class LLMEngine:
                 f"the KV cache budget ({budget} bytes) holds no block of {block_bytes} bytes; "
                 "raise --kv-cache-memory / --gpu-memory-utilization"
             )
-        pool_tokens = num_blocks * c.block_size
         max_len = c.max_model_len or cfg.max_position_embeddings
         if c.max_model_len is not None and c.max_model_len > cfg.max_position_embeddings:
             raise ValueError(
                 f"--max-model-len {c.max_model_len} exceeds the model's context window "
                 f"({cfg.max_position_embeddings})"
             )
-        if max_len > pool_tokens:
+        # The most tokens one step computes for a request: a window group keeps them.
+        chunk = budget_tokens if c.enable_chunked_prefill else max(budget_tokens, max_len)
+
+        def blocks_for(n: int) -> int:
+            return groups.blocks_for(n, c.block_size, chunk)
+
+        if blocks_for(max_len) > num_blocks:
+            fits = bisect.bisect_right(range(max_len + 1), num_blocks, key=blocks_for) - 1
             if c.max_model_len is not None:
                 raise ValueError(
-                    f"--max-model-len {max_len} needs {max_len} KV tokens but the pool holds "
-                    f"{pool_tokens}; raise --kv-cache-memory or lower --max-model-len"
+                    f"--max-model-len {max_len} needs {blocks_for(max_len)} KV blocks but the "
+                    f"pool holds {num_blocks} ({fits} tokens); raise --kv-cache-memory or "
+                    "lower --max-model-len"
                 )
-            logger.warning("max_model_len lowered from %d to the KV pool's %d tokens",
-                           max_len, pool_tokens)
-            max_len = pool_tokens
+            logger.warning("max_model_len lowered from %d to the %d tokens the KV pool holds",
+                           max_len, fits)
+            max_len = fits
         self.max_model_len = max_len
         if not c.enable_chunked_prefill and c.max_num_batched_tokens is None:
             budget_tokens, prefill_cap = max(budget_tokens, max_len), None
@@ -151,25 +162,32 @@ class LLMEngine:
                 f">= max_model_len ({max_len}), or long prompts could never be scheduled"
             )
         self.max_num_batched_tokens = budget_tokens
+        self.kv_groups = groups
         self.kv_caches = allocate_kv_caches(
-            self.model, num_blocks, c.block_size, self.dtype, self.kv_cache_dtype
+            self.model, num_blocks, c.block_size, self.dtype, self.kv_cache_dtype, groups
         )
-        self.kv_manager = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching,
+                                         windows=groups.windows)
         self.scheduler = Scheduler(
             self.kv_manager, c.max_num_seqs, budget_tokens, c.enable_chunked_prefill,
             prefill_cap,
         )
         self.runner = ModelRunner(self.model, self.kv_caches, c.block_size, self.eos_token_ids,
-                                  c.max_num_seqs, max_len)
+                                  c.max_num_seqs, max_len, groups)
         self.kv_bytes_per_token = bytes_per_token
+        # Tokens of every layer's KV the pool's bytes hold (its blocks' tokens
+        # without window groups).
+        self.kv_pool_tokens = num_blocks * c.block_size * groups.group_size // (
+            cfg.num_hidden_layers)
         logger.info(
-            "KV cache (%s): %d blocks x %d tokens = %d tokens, %d bytes/token (%.2f GiB); "
-            "max_model_len %d -> %.1f full-context conversations fit; "
+            "KV cache (%s): %d blocks x %d tokens x %d layers (%.2f GiB), %d bytes/token of "
+            "%d layers%s; max_model_len %d -> %.1f full-context conversations fit; "
             "max_num_seqs %d, max_num_batched_tokens %d%s",
-            self.kv_cache_dtype,
-            num_blocks, c.block_size, pool_tokens, bytes_per_token,
-            num_blocks * block_bytes / 2**30, max_len, pool_tokens / max_len,
-            c.max_num_seqs, budget_tokens,
+            self.kv_cache_dtype, num_blocks, c.block_size, groups.group_size,
+            num_blocks * block_bytes / 2**30, bytes_per_token, cfg.num_hidden_layers,
+            f"; {len(groups.windows)} groups, windows {groups.windows}: a request holds the "
+            "windowed layers' blocks of its last window only" if groups.hybrid else "",
+            max_len, num_blocks / blocks_for(max_len), c.max_num_seqs, budget_tokens,
             "" if prefill_cap is None else f" ({prefill_cap} prompt tokens in steps with decodes)",
         )
 
@@ -252,7 +270,8 @@ class LLMEngine:
         if self.device.type != "cpu":
             return  # device memory is committed when allocated
         t0 = time.perf_counter()
-        tensors = [t for c in self.kv_caches for t in c.tensors]
+        # Layers in one place of their KV cache groups share a cache.
+        tensors = list({id(t): t for c in self.kv_caches for t in c.tensors}.values())
         short: list[tuple[int, int]] = []  # (bytes left, bytes available) where it stopped
 
         def fits(left: int) -> bool:
@@ -295,7 +314,7 @@ class LLMEngine:
         rows = n if logits_rows is None else logits_rows
         return self.model.forward(
             torch.tensor(list(token_ids), dtype=torch.long, device=dev),
-            torch.arange(n, device=dev), scratch, meta,
+            torch.arange(n, device=dev), scratch, [meta] * len(scratch),
             torch.arange(n - rows, n, device=dev),
         )
 
@@ -405,6 +424,7 @@ class LLMEngine:
         """The KV of token_ids' longest cached full-block prefix, copied out of the
         pool: a prefill engine's hand-off once the request finished (its blocks
         stay cached until evicted). Engine thread only (AsyncEngine.call)."""
+        self._check_kv_handoff()
         blocks = self.kv_manager.cached_prefix(token_ids)
         n = len(blocks) * self.config.block_size
         slots = self._slots([b.block_id for b in blocks])
@@ -424,6 +444,7 @@ class LLMEngine:
         (free and cached, as a finished request leaves them), so a request with
         that prompt is admitted as a hit. Returns the tokens now cached. Engine
         thread only (AsyncEngine.call)."""
+        self._check_kv_handoff()
         bs = self.config.block_size
         mine = self.kv_caches[0].tensors
         # Float K/V convert (auto is bf16 or fp16 by each CPU's features, so a
@@ -444,6 +465,14 @@ class LLMEngine:
                     t.index_copy_(0, slots, src[layer].index_select(0, rows).to(t.device, t.dtype))
         self.kv_manager.release([b.block_id for b in held])
         return len(held) * bs
+
+    def _check_kv_handoff(self) -> None:
+        """KV hand-off moves group 0's blocks, which hold every layer only in one group."""
+        if self.kv_groups.hybrid:
+            raise ValueError(
+                "KV hand-off needs every layer's KV in one block table; this model's "
+                "sliding-window layers have their own: start its engines with "
+                "--disable-hybrid-kv-cache-manager")
 
     def _slots(self, block_ids: Sequence[int]) -> torch.Tensor:
         bs = self.config.block_size

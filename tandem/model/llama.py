@@ -20,6 +20,7 @@ runner hands them to tandem.worker.decode_step, one C++ call for all layers.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -391,11 +392,13 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        meta: AttentionMetadata,
+        kv_caches: Sequence[KVCache],
+        metas: Sequence[AttentionMetadata],
         logits_indices: torch.Tensor | None,
     ) -> torch.Tensor | None:
-        """Run the flat batch; returns fp32 logits for the rows in logits_indices."""
+        """Run the flat batch; returns fp32 logits for the rows in logits_indices.
+        Layer i reads and writes kv_caches[i] through metas[i] (its KV cache
+        group's slots and block tables)."""
         h, hkv, d, eps = self.h, self.hkv, self.d, self.eps
         t = input_ids.shape[0]
         ops = FusedOps if self.fused else ReferenceOps
@@ -406,14 +409,13 @@ class LlamaModel:
         if self.embed_scale is not None:
             x = x * self.embed_scale
         act = self.cfg.activation
-        slots = meta.slot_mapping
-        for layer, cache in zip(self.layers, kv_caches):
+        for layer, cache, meta in zip(self.layers, kv_caches, metas, strict=True):
             qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, eps)).view(t, h + 2 * hkv, d)
             if layer.q_norm is not None:  # a fresh tensor: normalized in place
                 qkv[:, :h] = ops.rms_norm(qkv[:, :h], layer.q_norm, eps)
                 qkv[:, h : h + hkv] = ops.rms_norm(qkv[:, h : h + hkv], layer.k_norm, eps)
             q = ops.rope_and_cache(qkv, rope_local if layer.local_rope else rope, h, hkv, cache,
-                                   slots)
+                                   meta.slot_mapping)
             attn = paged_attention(q, cache, meta, self.scale, layer.window, self.attn_softcap)
             if layer.attn_out_norm is None:
                 x = layer.o.add(x, attn)

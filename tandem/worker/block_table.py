@@ -6,9 +6,16 @@ context): 1.3 ms per step at 64 sequences x 4k tokens. Here each request holds
 a row while it runs, and a step copies only the block ids allocated since the
 last one, O(batch + new blocks).
 
-Invariant: a request's row holds exactly its ``block_ids`` after ``rows()``.
-It relies on the engine releasing the row whenever a request stops running
-(finished, aborted, preempted): until then its block list only grows.
+Each KV cache group (tandem.core.kv_cache_manager.KVCacheGroups) has a table
+of its own; every group's block list is as long as group 0's.
+
+Invariant: a request's row holds exactly its ``block_ids`` (and each group's
+``group_block_ids``) after ``rows()``, but for a window group's entries that
+became NULL_BLOCK after they were copied (they keep the old id) or were copied
+as NULL_BLOCK (0): attention does not read a block before the window (the
+kernels start at it, the reference path masks it). It relies on the engine
+releasing the row whenever a request stops running (finished, aborted,
+preempted): until then its block lists only grow.
 """
 
 from __future__ import annotations
@@ -22,8 +29,8 @@ from tandem.core.request import Request
 
 
 class BlockTable:
-    def __init__(self, max_rows: int, max_blocks: int) -> None:
-        self.array = np.zeros((max_rows, max_blocks), dtype=np.int32)
+    def __init__(self, max_rows: int, max_blocks: int, num_groups: int = 1) -> None:
+        self.array = np.zeros((num_groups, max_rows, max_blocks), dtype=np.int32)
         self.tensor = torch.from_numpy(self.array)  # shares the array's memory
         self._lens = [0] * max_rows  # block ids written per row
         self._rows: dict[str, int] = {}
@@ -37,16 +44,20 @@ class BlockTable:
             if row is None:
                 row = self._rows[r.request_id] = self._free.pop()
             ids, n = r.block_ids, self._lens[row]
-            if len(ids) != n:
-                self.array[row, n:len(ids)] = ids[n:]
-                self._lens[row] = len(ids)
+            m = len(ids)
+            if m != n:
+                self.array[0, row, n:m] = ids[n:]
+                for g, group_ids in enumerate(r.group_block_ids, 1):
+                    np.maximum(group_ids[n:], 0, out=self.array[g, row, n:m])  # NULL_BLOCK: 0
+                self._lens[row] = m
             out.append(row)
         return out
 
     def table(self, rows: list[int], num_blocks: int) -> torch.Tensor:
-        """[len(rows), num_blocks] int32: the rows' first num_blocks block ids
-        (entries past a sequence's blocks are stale, never read)."""
-        return torch.from_numpy(self.array[rows, :num_blocks])  # numpy's gather: ~6 us
+        """[groups, len(rows), num_blocks] int32: the rows' first num_blocks block
+        ids in each group (entries past a sequence's blocks are stale, never read)."""
+        # numpy's gather (~6 us) may lay the result out groups-last.
+        return torch.from_numpy(np.ascontiguousarray(self.array[:, rows, :num_blocks]))
 
     def release(self, request_id: str) -> None:
         """The request stopped running: its row is free (no-op if it had none)."""

@@ -15,6 +15,7 @@ where every scheduled sequence decodes one token and samples, up to
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -36,7 +37,8 @@ def _matmuls(model: LlamaModel) -> list:
 class DecodeStep:
     """Holds the model's weights and KV caches on the C++ side once."""
 
-    def __init__(self, model: LlamaModel, kv_caches: list[KVCache], block_size: int) -> None:
+    def __init__(self, model: LlamaModel, kv_caches: list[KVCache], block_size: int,
+                 layer_group: Sequence[int]) -> None:
         cfg = model.cfg
         self.max_batch = MAX_BATCH
         self.block_size = block_size
@@ -49,22 +51,23 @@ class DecodeStep:
         step.set_variant(KERNEL_ACTIVATIONS[cfg.activation], cfg.embed_scale, model.scale,
                          model.cos_local, model.sin_local, model.attn_softcap)
         self.final_softcap = cfg.final_softcap
-        for layer, cache in zip(model.layers, kv_caches):
+        for layer, cache, group in zip(model.layers, kv_caches, layer_group):
             args = [lin.step_args for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             step.add_layer(layer.input_norm, layer.post_norm, [int(k) for k, _ in args],
                            [t for _, tensors in args for t in tensors], layer.qkv.bias,
                            layer.q_norm, layer.k_norm, *cache.kernel_args, layer.window,
-                           layer.attn_out_norm, layer.mlp_out_norm, layer.local_rope)
+                           layer.attn_out_norm, layer.mlp_out_norm, layer.local_rope, group)
         self._step = step
 
     @classmethod
-    def build(cls, model: LlamaModel, kv_caches: list[KVCache],
-              block_size: int) -> DecodeStep | None:
-        """The step for this model, or None (LlamaModel.forward runs every step)."""
+    def build(cls, model: LlamaModel, kv_caches: list[KVCache], block_size: int,
+              layer_group: Sequence[int]) -> DecodeStep | None:
+        """The step for this model (layer i's KV cache group layer_group[i]), or
+        None (LlamaModel.forward runs every step)."""
         if not cls.supports(model):
             return None
         try:
-            return cls(model, kv_caches, block_size)
+            return cls(model, kv_caches, block_size, layer_group)
         except RuntimeError as e:  # a shape the C++ side refuses: the per-op path still works
             logger.warning("tandem's one-call decode step is off: %s", str(e).splitlines()[0])
             return None
@@ -76,14 +79,14 @@ class DecodeStep:
         return model.fused and all(
             lin.step_args is not None for lin in (*_matmuls(model), model.lm_head))
 
-    def __call__(self, tokens: torch.Tensor, block_table: torch.Tensor
+    def __call__(self, tokens: torch.Tensor, block_tables: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens [B, 3] int64 (each decoding sequence's new token id, its
-        position and its cache slot), block_table [B, blocks] int32 covering
-        each position -> logits [B, vocab] and each row's argmax (the greedy
-        token, so plain greedy sampling runs no torch op after the step). The
-        new K/V go to the caches."""
-        logits, argmax = self._step.forward(tokens, block_table)
+        """tokens [B, 2 + G] int64 (each decoding sequence's new token id, its
+        position and its cache slot in each of the G KV cache groups),
+        block_tables [G, B, blocks] int32 covering each position -> logits
+        [B, vocab] and each row's argmax (the greedy token, so plain greedy
+        sampling runs no torch op after the step). The new K/V go to the caches."""
+        logits, argmax = self._step.forward(tokens, block_tables)
         # tanh keeps the order, so the argmax holds (but for logits past ~9x the
         # cap, where fp32's tanh saturates and HF's would tie them).
         return soft_cap(logits, self.final_softcap), argmax

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.core.kv_cache_manager import KVCacheGroups
 from tandem.core.request import Request
 from tandem.core.scheduler import SchedulerOutput
 from tandem.model.attention import AttentionMetadata, build_group
@@ -34,18 +35,23 @@ class ModelRunnerOutput:
 
 def allocate_kv_caches(
     model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype,
-    kv_cache_dtype: str,
+    kv_cache_dtype: str, groups: KVCacheGroups | None = None,
 ) -> list[KVCache]:
-    """One cache per layer holding ``kv_cache_dtype`` (a resolved element type:
-    tandem.model.kv_cache.kv_cache_dtype_name)."""
+    """Each layer's cache, holding ``kv_cache_dtype`` (a resolved element type:
+    tandem.model.kv_cache.kv_cache_dtype_name). With KV cache ``groups``, the
+    layers in one place of their groups share a cache (each block is one
+    group's); without, every layer has its own."""
     cfg = model.cfg
     cls = kv_cache_class(kv_cache_dtype)
     zeros = kv_zeros(model.device)  # one allocator: small layers share its chunks
-    return [
+    n = cfg.num_hidden_layers
+    slots = groups.layer_slot if groups is not None else range(n)
+    caches = [
         cls(num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, model.device,
             zeros)
-        for _ in range(cfg.num_hidden_layers)
+        for _ in range(max(slots) + 1)
     ]
+    return [caches[s] for s in slots]
 
 
 class ModelRunner:
@@ -57,39 +63,46 @@ class ModelRunner:
         eos_token_ids: frozenset[int],
         max_num_seqs: int,
         max_model_len: int,
+        groups: KVCacheGroups,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
-        self.block_table = BlockTable(max_num_seqs, -(-max_model_len // block_size) + 1)
+        self.groups = groups
+        self.block_table = BlockTable(max_num_seqs, -(-max_model_len // block_size) + 1,
+                                      len(groups.windows))
         self.eos_token_ids = eos_token_ids
         self.device = model.device
         self.vocab_size = model.cfg.vocab_size
         self.sampler = Sampler()
-        self.decode_step = DecodeStep.build(model, kv_caches, block_size)
+        self.decode_step = DecodeStep.build(model, kv_caches, block_size, groups.layer_group)
         # Set by the engine when it has a tokenizer (grammars need its vocabulary).
         self.structured_output: StructuredOutputManager | None = None
 
     def _slots(self, row: int, start: int, n: int) -> torch.Tensor:
-        """Cache slots of positions [start, start + n) of the sequence in ``row``."""
+        """[groups, n]: each KV cache group's slots of positions [start, start + n)
+        of the sequence in ``row``."""
         bs = self.block_size
         pos = torch.arange(start, start + n)
-        return self.block_table.tensor[row, pos // bs].long() * bs + pos % bs
+        return self.block_table.tensor[:, row, pos // bs].long() * bs + pos % bs
 
     def prepare(self, out: SchedulerOutput) -> tuple:
-        """Flat inputs, decodes (1 new token) first, then prefill chunks."""
+        """Flat inputs, decodes (1 new token) first, then prefill chunks; the
+        attention metadata of each layer (one per KV cache group, shared)."""
         bs = self.block_size
         dec = [(r, n) for r, n in zip(out.requests, out.num_scheduled_tokens) if n == 1]
         pre = [(r, n) for r, n in zip(out.requests, out.num_scheduled_tokens) if n > 1]
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = []  # per decode, its slot in each group
         for r, _ in dec:
             c = r.num_computed_tokens
             ids.append(r.token_ids[c])
             positions.append(c)
-            slots.append(r.block_ids[c // bs] * bs + c % bs)
-        slot_parts = [torch.tensor(slots, dtype=torch.long)]
+            i, off = divmod(c, bs)
+            slots.append([r.block_ids[i] * bs + off,
+                          *(g[i] * bs + off for g in r.group_block_ids)])
+        slot_parts = [torch.tensor(slots, dtype=torch.long).view(-1, len(self.groups.windows)).T]
         pre_rows = self.block_table.rows([r for r, _ in pre])
         for (r, n), row in zip(pre, pre_rows):
             c = r.num_computed_tokens
@@ -106,31 +119,27 @@ class ModelRunner:
                 sample_reqs.append(r)
                 logits_idx.append(t - 1)
 
-        def group(items: list[tuple[Request, int]], rows: list[int]):
+        def groups(items: list[tuple[Request, int]], rows: list[int]) -> list:
             if not items:
-                return None
+                return [None] * len(windows)
             ctx = [r.num_computed_tokens + n for r, n in items]
-            return build_group(
-                [n for _, n in items],
-                ctx,
-                self.block_table.table(rows, -(-max(ctx) // bs)),
-                bs,
-                self.device,
-                self.model.dtype,
-                self.model.fused,
-                self.model.window,
-            )
+            tables = self.block_table.table(rows, -(-max(ctx) // bs))
+            q_lens = [n for _, n in items]
+            return [build_group(q_lens, ctx, table, bs, self.device, self.model.dtype,
+                                self.model.fused, window)
+                    for table, window in zip(tables, windows)]
 
-        meta = AttentionMetadata(
-            slot_mapping=torch.cat(slot_parts).to(self.device),
-            decode=group(dec, self.block_table.rows([r for r, _ in dec])),
-            prefill=group(pre, pre_rows),
-        )
+        # One group (no KV cache groups) holds every layer: its windowed ones'.
+        windows = self.groups.windows if self.groups.hybrid else (self.model.window,)
+        slot_mapping = torch.cat(slot_parts, 1).to(self.device)
+        metas = [AttentionMetadata(slot_mapping=s, decode=d, prefill=p) for s, d, p in zip(
+            slot_mapping, groups(dec, self.block_table.rows([r for r, _ in dec])),
+            groups(pre, pre_rows))]
         dev = self.device
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
-            meta,
+            [metas[g] for g in self.groups.layer_group],
             torch.tensor(logits_idx, dtype=torch.long, device=dev) if logits_idx else None,
             sample_reqs,
         )
@@ -144,13 +153,16 @@ class ModelRunner:
             for r, n in zip(out.requests, out.num_scheduled_tokens))
 
     def _decode_step_inputs(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decode step's token rows (id, position, slot) and block table."""
+        """The decode step's token rows (id, position, a slot per KV cache group)
+        and block tables."""
         bs = self.block_size
         tokens = []
         for r in reqs:
             c = r.num_computed_tokens
-            tokens.append((r.token_ids[c], c, r.block_ids[c // bs] * bs + c % bs))
-        nblk = max(c for _, c, _ in tokens) // bs + 1  # blocks of the longest context
+            i, off = divmod(c, bs)
+            tokens.append((r.token_ids[c], c, r.block_ids[i] * bs + off,
+                           *(g[i] * bs + off for g in r.group_block_ids)))
+        nblk = max(t[1] for t in tokens) // bs + 1  # blocks of the longest context
         table = self.block_table.table(self.block_table.rows(reqs), nblk)
         return torch.tensor(tokens, dtype=torch.long), table
 
@@ -160,8 +172,8 @@ class ModelRunner:
             sample_reqs = out.requests
             logits, argmax = self.decode_step(*self._decode_step_inputs(sample_reqs))
         else:
-            input_ids, positions, meta, logits_idx, sample_reqs = self.prepare(out)
-            logits = self.model.forward(input_ids, positions, self.kv_caches, meta, logits_idx)
+            input_ids, positions, metas, logits_idx, sample_reqs = self.prepare(out)
+            logits = self.model.forward(input_ids, positions, self.kv_caches, metas, logits_idx)
         if logits is None:
             return ModelRunnerOutput([], [])
         smeta = SamplingMetadata.build(

@@ -35,9 +35,9 @@ class CheckedStep:
     def __call__(self, tokens, block_table):
         reqs = self.reqs
         out = SchedulerOutput(list(reqs), [1] * len(reqs))
-        input_ids, positions, meta, _, _ = self.runner.prepare(out)
+        input_ids, positions, metas, _, _ = self.runner.prepare(out)
         rows = torch.arange(len(reqs))
-        want = self.runner.model.forward(input_ids, positions, self.runner.kv_caches, meta, rows)
+        want = self.runner.model.forward(input_ids, positions, self.runner.kv_caches, metas, rows)
         got, argmax = self.step(tokens, block_table)
         torch.testing.assert_close(got, want, atol=self.tol, rtol=self.tol)
         assert argmax.tolist() == got.argmax(-1).tolist()
@@ -77,13 +77,13 @@ def test_decode_step_rejects_out_of_range_inputs(tmp_path):
     engine = LLMEngine(EngineConfig(model=str(tmp_path), skip_tokenizer_init=True,
                                     kv_cache_memory="8MiB"))
     step = engine.runner.decode_step._step
-    table = torch.zeros(1, 1, dtype=torch.int32)
+    table = torch.zeros(1, 1, 1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="out of range"):  # token id
         step.forward(torch.tensor([[10**6, 0, 0]]), table)
     with pytest.raises(RuntimeError, match="out of range"):  # position past the block table
         step.forward(torch.tensor([[5, 99, 0]]), table)
     with pytest.raises(RuntimeError, match="out of range"):  # block id
-        step.forward(torch.tensor([[5, 0, 0]]), torch.tensor([[10**6]], dtype=torch.int32))
+        step.forward(torch.tensor([[5, 0, 0]]), torch.tensor([[[10**6]]], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="int64"):
         step.forward(torch.tensor([[5, 0, 0]], dtype=torch.int32), table)
 
@@ -133,28 +133,31 @@ def test_the_cpp_step_refuses_what_it_does_not_implement(tmp_path):
         new(model.cos[:, : cfg.head_dim // 2].contiguous(), model.sin)
     step = new()
     with pytest.raises(RuntimeError, match="before the first step"):
-        step.forward(torch.tensor([[5, 0, 0]]), torch.zeros(1, 1, dtype=torch.int32))
+        step.forward(torch.tensor([[5, 0, 0]]), torch.zeros(1, 1, 1, dtype=torch.int32))
     with pytest.raises(RuntimeError, match="local RoPE needs set_variant"):
         step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
-                       layer.k_norm, cache, scale, 0, None, None, True)
+                       layer.k_norm, cache, scale, 0, None, None, True, 0)
     with pytest.raises(RuntimeError, match="output norms go together"):
         step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
-                       layer.k_norm, cache, scale, 0, layer.input_norm, None, False)
+                       layer.k_norm, cache, scale, 0, layer.input_norm, None, False, 0)
     step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
-                   layer.k_norm, cache, scale, 0, None, None, False)  # what the model has: accepted
+                   layer.k_norm, cache, scale, 0, None, None, False, 0)  # the model's: accepted
     with pytest.raises(RuntimeError, match="set_variant before add_layer"):
         step.set_variant(1, 2.0, 0.25, model.cos, model.sin, 0.0)
     step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
-                   layer.k_norm, cache, scale, 8, None, None, False)  # a sliding window of 8 keys
+                   layer.k_norm, cache, scale, 8, None, None, False, 0)  # a window of 8 keys
+    with pytest.raises(RuntimeError, match="KV cache group is 0-63"):
+        step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
+                       layer.k_norm, cache, scale, 0, None, None, False, -1)
     with pytest.raises(RuntimeError, match="share one window"):
         step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
-                       layer.k_norm, cache, scale, 9, None, None, False)
+                       layer.k_norm, cache, scale, 9, None, None, False, 0)
     with pytest.raises(RuntimeError, match="kv heads"):
         step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
-                       layer.k_norm, cache[:, :, :1].contiguous(), scale, 0, None, None, False)
+                       layer.k_norm, cache[:, :, :1].contiguous(), scale, 0, None, None, False, 0)
     with pytest.raises(RuntimeError, match="Q and K norms"):
         step.add_layer(layer.input_norm, layer.post_norm, kinds, tensors, None, layer.q_norm,
-                       None, cache, scale, 0, None, None, False)
+                       None, cache, scale, 0, None, None, False, 0)
     with pytest.raises(RuntimeError, match="unknown weight kind"):
         step.add_layer(layer.input_norm, layer.post_norm, [7, *kinds[1:]], tensors, None,
-                       layer.q_norm, layer.k_norm, cache, scale, 0, None, None, False)
+                       layer.q_norm, layer.k_norm, cache, scale, 0, None, None, False, 0)

@@ -234,10 +234,10 @@ def test_eviction_when_the_working_set_exceeds_the_pool():
     evictions = 0
     take = kv._take_free
 
-    def counting_take():
+    def counting_take(group: int):
         nonlocal evictions
         evictions += kv.free_blocks[next(iter(kv.free_blocks))].block_hash is not None
-        return take()
+        return take(group)
 
     kv._take_free = counting_take
     systems = [

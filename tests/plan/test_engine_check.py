@@ -90,7 +90,7 @@ def test_a_mismatch_is_reported_and_fails(tiny_config_path):
     engine = SimpleNamespace(
         config=SimpleNamespace(quantization="none", kv_cache_dtype="auto", block_size=16),
         dtype=torch.float32, device=torch.device("cpu"), kv_cache_dtype="fp16",
-        kv_manager=SimpleNamespace(num_blocks=chk.engine_cache_tokens // 16 * 9 // 10),
+        kv_pool_tokens=chk.engine_cache_tokens * 9 // 10, kv_groups=SimpleNamespace(hybrid=False),
         kv_bytes_per_token=chk.engine_kv_bytes_per_token + 8, max_model_len=256,
         model=SimpleNamespace(nbytes=chk.engine_weight_bytes, weight_bytes=chk.engine_read_bytes,
                               embed=torch.zeros(1)),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tandem.core.kv_cache_manager import KVCacheManager, hash_block_tokens
+from tandem.core.kv_cache_manager import NULL_BLOCK, KVCacheManager, group_layers, hash_block_tokens
 from tandem.core.request import Request
 from tandem.sampling_params import SamplingParams
 
@@ -294,8 +294,8 @@ def test_random_workload_hits_only_kv_of_the_same_prefix(seed):
         if op < 0.45 and len(live) < 5:
             r = req([rng.randrange(2) for _ in range(rng.randrange(1, 9))], f"{seed}-{step}")
             hits, n = kv.get_computed_blocks(r)
-            assert n == len(hits) * bs < r.num_tokens
-            for j, blk in enumerate(hits):
+            assert n == len(hits.blocks) * bs < r.num_tokens
+            for j, blk in enumerate(hits.blocks):
                 assert computed[blk.block_id] == tuple(r.token_ids[: (j + 1) * bs])
             if kv.allocate_slots(r, r.num_tokens - n, hits):
                 compute(r, n)
@@ -326,3 +326,119 @@ def test_random_workload_hits_only_kv_of_the_same_prefix(seed):
     for r in live:
         kv.free(r)
     assert all_free(kv)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_workload_with_a_window_group(seed):
+    """The model-based workload above with a second KV cache group whose layers
+    see their last 3 keys (Gemma's windowed layers; 2-token blocks): every
+    group's hit holds KV of exactly the same prefix, a hit has every block its
+    window needs, a running request holds only those of the window group, and
+    ref counts, the free list and usage stay exact."""
+    import random
+
+    rng = random.Random(seed)
+    bs, w = 2, 3
+    kv = KVCacheManager(12, bs, hash_fn=lambda p, t: hash((p, tuple(t))) % 3, windows=(0, w))
+    computed: dict[int, tuple[int, ...]] = {}
+    live: list[Request] = []
+
+    def compute(r, start):
+        for ids in (r.block_ids, *r.group_block_ids):
+            for i in range(start // bs, len(ids)):
+                assert ids[i] != NULL_BLOCK
+                computed[ids[i]] = tuple(r.token_ids[: min((i + 1) * bs, r.num_tokens)])
+
+    def first_needed(pos):
+        return max(0, pos - w + 1) // bs
+
+    for step in range(1000):
+        op = rng.random()
+        if op < 0.45 and len(live) < 5:
+            r = req([rng.randrange(2) for _ in range(rng.randrange(1, 9))], f"{seed}-{step}")
+            hits, n = kv.get_computed_blocks(r)
+            assert n == len(hits.blocks) * bs < r.num_tokens
+            (window_hits,) = hits.groups
+            assert len(window_hits) == len(hits.blocks)
+            for j, (blk, wblk) in enumerate(zip(hits.blocks, window_hits)):
+                prefix = tuple(r.token_ids[: (j + 1) * bs])
+                assert computed[blk.block_id] == prefix
+                assert (wblk is None) == (j < first_needed(n))
+                assert wblk is None or computed[wblk.block_id] == prefix
+            if kv.allocate_slots(r, r.num_tokens - n, hits):
+                compute(r, n)
+                r.num_computed_tokens = r.num_tokens
+                live.append(r)
+            else:
+                assert r.block_ids == [] and r.group_block_ids in ([], [[]])
+        elif op < 0.75 and live:  # decode one token
+            r = rng.choice(live)
+            r.append_token(rng.randrange(2))
+            if kv.allocate_slots(r, 1):
+                (ids,) = r.group_block_ids
+                first = first_needed(r.num_computed_tokens)
+                assert [b == NULL_BLOCK for b in ids] == [i < first for i in range(len(ids))]
+                compute(r, r.num_computed_tokens)
+                r.num_computed_tokens += 1
+            else:
+                kv.free(r)
+                live.remove(r)
+        elif live:
+            kv.free(live.pop(rng.randrange(len(live))))
+        held = [b for r in live for ids in (r.block_ids, *r.group_block_ids) for b in ids
+                if b != NULL_BLOCK]
+        for b in kv.blocks:
+            assert b.ref_cnt == held.count(b.block_id)
+            assert (b.ref_cnt == 0) == (b.block_id in kv.free_blocks)
+            if b.block_hash is not None and b.group == 0:
+                assert kv.cached[b.block_hash] is b
+        assert kv.usage == pytest.approx(len(set(held)) / kv.num_blocks)
+    for r in live:
+        kv.free(r)
+    assert all_free(kv)
+
+
+def test_a_window_group_releases_what_slid_out_and_hits_need_only_the_window():
+    kv = KVCacheManager(40, 4, windows=(0, 6))
+    r = req(range(40))
+    assert kv.allocate_slots(r, 40)
+    assert len(r.block_ids) == len(r.group_block_ids[0]) == 10  # a chunk needs all its blocks
+    r.num_computed_tokens = 40
+    r.append_token(7)
+    assert kv.allocate_slots(r, 1)  # the next query (position 40) sees keys 35-40
+    assert r.group_block_ids[0][:8] == [NULL_BLOCK] * 8
+    assert kv.num_free_blocks == 40 - 11 - 3
+    kv.free(r)
+    assert all_free(kv)
+    # The same prompt again: a hit of 40 tokens holding only the window's blocks.
+    again = req(list(range(40)) + [7, 8], "again")
+    hits, n = kv.get_computed_blocks(again)
+    assert n == 40 and hits.groups[0][:8] == [None] * 8
+    assert all(b is not None for b in hits.groups[0][8:])
+    # Evicting a group-0 block makes the window block registered beside it stale.
+    peer = hits.blocks[9]
+    kv.free_blocks.move_to_end(peer.block_id, last=False)
+    kv._take_free(0)
+    hits, n = kv.get_computed_blocks(again)
+    assert n == 36  # block 9 is gone from group 0; the window's 7 and 8 remain cached
+
+
+def test_group_layers_pads_the_fewest_layers_in_at_most_eight_groups():
+    gemma3_1b = [0 if (i + 1) % 6 == 0 else 512 for i in range(26)]
+    g = group_layers(gemma3_1b)
+    assert (g.group_size, g.windows) == (4, (0, 512, 512, 512, 512, 512, 512))
+    assert [g.layer_group[i] for i in (5, 11, 17, 23)] == [0, 0, 0, 0]
+    assert sorted(zip(g.layer_group, g.layer_slot)) == sorted(set(zip(g.layer_group,
+                                                                      g.layer_slot)))
+    gemma2 = [4096 if i % 2 == 0 else 0 for i in range(26)]
+    assert group_layers(gemma2).windows == (0, 4096)
+    # One group: no windowed layers, every layer windowed, or asked for.
+    for windows, hybrid in (([0] * 4, True), ([8] * 4, True), (gemma2, False)):
+        g = group_layers(windows, hybrid)
+        assert (g.group_size, g.windows, g.layer_slot) == (len(windows), (0,), tuple(range(
+            len(windows))))
+    # Blocks one request holds: the window group keeps its window and a chunk.
+    assert g.blocks_for(1000, 16, 64) == 63
+    g = group_layers(gemma2)
+    assert g.blocks_for(1000, 16, 64) == 63 + 63  # a window of 4096 holds them all
+    assert group_layers([0, 32, 32, 0]).blocks_for(1000, 16, 64) == 63 + 7

@@ -38,6 +38,7 @@ struct StepLayer {
   KVKind kv;
   RopeAndCache rope;  // bound to this layer's cache (and int8's scales)
   int64_t window = 0;  // a sliding window's keys, or 0
+  int64_t group = 0;  // its KV cache group: the block table and slot it reads and writes
 };
 
 struct DecodeStep : torch::CustomClassHolder {
@@ -55,6 +56,10 @@ struct DecodeStep : torch::CustomClassHolder {
   bool sandwich_ = false;  // some layer has output norms
   int64_t H, hkv = 0, D, hidden, inter, vocab = 0, block_size;
   int64_t window_ = 0;  // the windowed layers' window (0: none has one)
+  // Per KV cache group (add_layer's group): bit 0 set if a full-attention layer
+  // is in it, bit 1 if a windowed one is; each needs its attention plan (none:
+  // a group without layers, which the engine's grouping never makes).
+  std::vector<int> group_kinds_;
   // Threads' shares of every layer matmul's outputs start on multiples of
   // this: the largest unit of any layer's weight format.
   int64_t unit = 1;
@@ -148,7 +153,7 @@ struct DecodeStep : torch::CustomClassHolder {
                  std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
                  at::Tensor cache, std::optional<at::Tensor> cache_scale, int64_t window,
                  std::optional<at::Tensor> attn_out_norm, std::optional<at::Tensor> mlp_out_norm,
-                 bool local_rope) {
+                 bool local_rope, int64_t group) {
     TORCH_CHECK(kinds.size() == 4 && matmuls.size() == 12,
                 "DecodeStep: a layer has four matmuls (qkv, o, gate_up, down), three tensors "
                 "each");
@@ -163,8 +168,12 @@ struct DecodeStep : torch::CustomClassHolder {
     // Every windowed layer has the same window (one attention plan serves them).
     TORCH_CHECK(window >= 0 && (window == 0 || window_ == 0 || window == window_),
                 "DecodeStep: windowed layers must share one window");
+    TORCH_CHECK(group >= 0 && group < 64, "DecodeStep: a KV cache group is 0-63");
+    if (group >= static_cast<int64_t>(group_kinds_.size())) group_kinds_.resize(group + 1, 0);
+    group_kinds_[group] |= window ? 2 : 1;
     StepLayer l;
     l.window = window;
+    l.group = group;
     if (window) window_ = window;
     l.input_norm = std::move(input_norm);
     l.post_norm = std::move(post_norm);
@@ -201,8 +210,10 @@ struct DecodeStep : torch::CustomClassHolder {
     layers.push_back(std::move(l));
   }
 
-  // tokens [B, 3] int64: each sequence's new token id, its position and its
-  // cache slot; block_tables [B, nb] int32, covering position + 1 tokens.
+  // tokens [B, 2 + G] int64: each sequence's new token id, its position and
+  // its cache slot in each of the G KV cache groups; block_tables [G, B, nb]
+  // int32, each group's, covering position + 1 tokens (a windowed group's
+  // entries before the window are not read).
   // Writes the new K/V to the caches; returns the logits [B, vocab] and each
   // row's argmax [B] (int64, the first index on ties): greedy sampling with
   // no torch op after the step, whose first ops run on caches the weights
@@ -211,19 +222,30 @@ struct DecodeStep : torch::CustomClassHolder {
                                              const at::Tensor& block_tables) {
     TORCH_CHECK(!layers.empty() && vocab > 0, "DecodeStep: add the layers and the LM head "
                 "before the first step");
-    TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 2 && tokens.size(1) == 3 &&
-                    tokens.size(0) > 0 && tokens.is_contiguous(),
-                "tokens must be a contiguous int64 [B, 3]: token id, position, slot");
-    const int64_t B = tokens.size(0), num_slots = layers[0].cache.size(0);
+    const int64_t G = static_cast<int64_t>(group_kinds_.size()), B = tokens.size(0);
+    TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 2 &&
+                    tokens.size(1) == 2 + G && B > 0 && tokens.is_contiguous(),
+                "tokens must be a contiguous int64 [B, 2 + KV cache groups]: token id, "
+                "position, a slot per group");
+    TORCH_CHECK(block_tables.dim() == 3 && block_tables.size(0) == G &&
+                    block_tables.size(1) == B && block_tables.scalar_type() == at::kInt &&
+                    block_tables.is_contiguous(),
+                "block_tables must be a contiguous int32 [KV cache groups, B, blocks]");
+    const int64_t num_slots = layers[0].cache.size(0);
     const int64_t* tk = tokens.data_ptr<int64_t>();
-    std::vector<int64_t> ids(B), pos(B), slot(B);
+    std::vector<int64_t> ids(B), pos(B), slot(G * B);  // slot[g * B + b]
     auto context_lens = at::empty({B}, tokens.options().dtype(at::kInt));
     for (int64_t b = 0; b < B; b++) {
-      ids[b] = tk[3 * b];
-      pos[b] = tk[3 * b + 1];
-      slot[b] = tk[3 * b + 2];
+      const int64_t* row = tk + (2 + G) * b;
+      ids[b] = row[0];
+      pos[b] = row[1];
+      bool slots_ok = true;
+      for (int64_t g = 0; g < G; g++) {
+        slot[g * B + b] = row[2 + g];
+        slots_ok &= row[2 + g] >= 0 && row[2 + g] < num_slots;
+      }
       TORCH_CHECK(ids[b] >= 0 && ids[b] < embed.size(0) && pos[b] >= 0 && pos[b] < cos.size(0) &&
-                      slot[b] >= 0 && slot[b] < num_slots,
+                      slots_ok,
                   "token id, position or slot out of range");
       context_lens.data_ptr<int32_t>()[b] = static_cast<int32_t>(pos[b] + 1);
     }
@@ -231,21 +253,32 @@ struct DecodeStep : torch::CustomClassHolder {
     std::vector<float> x(B * hidden), xn(threads * B * hidden), qkv_out(B * qkv_n),
         attn(threads * B * H * D), gu(B * 2 * inter), mlp_act(B * inter),
         out_rows(sandwich_ ? B * hidden : 0);
-    // Full-context layers' attention plan, and windowed layers' (their items
-    // cover each sequence's last window_ keys).
-    auto att = decode_attention(qkv_out.data(), qkv_n, D, B, H, hkv, D, block_tables,
-                                context_lens, block_size, scale, 0, attn_softcap);
+    // Per KV cache group, its full-context layers' attention plan (plans[2g])
+    // and its windowed layers' (plans[2g + 1]: items cover each sequence's
+    // last window_ keys), each made where the group has such layers.
     const int64_t max_blocks = num_slots / block_size;
+    const int32_t* tables = block_tables.data_ptr<int32_t>();
     for (int64_t i = 0; i < block_tables.numel(); i++)
-      TORCH_CHECK(att.tables[i] >= 0 && att.tables[i] < max_blocks, "block id out of range");
+      TORCH_CHECK(tables[i] >= 0 && tables[i] < max_blocks, "block id out of range");
     for (int64_t b = 0; b < B; b++)
-      TORCH_CHECK(att.lens[b] >= 1 && att.lens[b] <= att.nb * block_size,
+      TORCH_CHECK(pos[b] + 1 <= block_tables.size(2) * block_size,
                   "context length out of range of its block table");
-    att.plan(threads, kMinSplitTokens);
-    DecodeAttention att_w = att;
-    att_w.window = window_;
-    if (window_) att_w.plan(threads, kMinSplitTokens);
-    std::vector<float> part(std::max(att.partial_floats(), att_w.partial_floats()));
+    std::vector<DecodeAttention> plans;
+    plans.reserve(2 * G);  // push_back(plans.back()) must not reallocate
+    size_t part_floats = 0;
+    for (int64_t g = 0; g < G; g++) {
+      plans.push_back(decode_attention(qkv_out.data(), qkv_n, D, B, H, hkv, D, block_tables[g],
+                                       context_lens, block_size, scale, 0, attn_softcap));
+      plans.push_back(plans.back());
+      plans.back().window = window_;
+      for (int kind = 0; kind < 2; kind++)
+        if (group_kinds_[g] & (1 << kind)) {
+          DecodeAttention& p = plans[2 * g + kind];
+          p.plan(threads, kMinSplitTokens);
+          part_floats = std::max<size_t>(part_floats, p.partial_floats());
+        }
+    }
+    std::vector<float> part(part_floats);
     std::vector<float> best_v(threads * B, -INFINITY);
     std::vector<int64_t> best_i(threads * B, -1);
     auto logits = at::empty({B, vocab}, norm.options());
@@ -314,11 +347,11 @@ struct DecodeStep : torch::CustomClassHolder {
                 rms_norm_row(head, (h < H ? L.q_norm : L.k_norm).data_ptr<float>(), D, eps, head);
               rope.rotate(head, pos[b]);
             }
-            if (h >= H) rope.store(head, slot[b], h - H);
+            if (h >= H) rope.store(head, slot[L.group * B + b], h - H);
           }
         }
 #pragma omp barrier
-        const DecodeAttention& la = L.window ? att_w : att;
+        const DecodeAttention& la = plans[2 * L.group + (L.window ? 1 : 0)];
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < la.items; w++)
           la.run_item(w, L.kv, L.cache.data_ptr(), rope.cache_s, part.data(), buf);

@@ -184,8 +184,13 @@ def compare(
     elem = ar.kv_element_bytes(kvname, spec.head_dim)
     kv_tok = ar.kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, elem)
     w = ar.weight_bytes(spec, wdtype)
-    engine_tokens = engine.kv_manager.num_blocks * c.block_size
+    engine_tokens = engine.kv_pool_tokens
     notes: list[str] = []
+    if engine.kv_groups.hybrid:
+        notes.append(
+            f"the engine's pool holds {engine_tokens:,} tokens of every layer; its windowed "
+            f"layers keep a request's last {max(engine.kv_groups.windows):,} keys only, so a "
+            "request longer than that takes less of the pool than the plan counts")
     if engine.device.type == "cuda" and kv_cache_memory is None:
         total = torch.cuda.mem_get_info()[1]
         gpu = Device("cuda", torch.cuda.get_device_name(), "gpu", int(total), 1e12)
