@@ -22,7 +22,8 @@ kernels skip the keys before, the reference path masks them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from itertools import accumulate
 
 import torch
@@ -79,19 +80,16 @@ def build_group(
     """
     b = len(q_lens)
     max_q, max_ctx = max(q_lens), max(ctx_lens)
-    nblk = -(-max_ctx // block_size)
     if fused:
         starts = list(accumulate(q_lens, initial=0))
         return AttnGroup(
             num_tokens=starts[-1], key_slots=None, mask=None, q_index=None, out_index=None,
             batch=b, q_len=max_q, block_size=block_size,
-            block_table=block_table[:, :nblk].to(device=device, dtype=torch.int32).contiguous(),
+            block_table=_fused_table(block_table, max_ctx, block_size, device),
             context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
             query_starts=None if max_q == 1 else torch.tensor(starts, dtype=torch.int32),
         )
-    table = block_table[:, :nblk].long()
-    offs = torch.arange(block_size, dtype=torch.long)
-    key_slots = (table.unsqueeze(-1) * block_size + offs).view(b, -1)[:, :max_ctx].reshape(-1)
+    key_slots = _key_slots(block_table, max_ctx, block_size, device)
     ctx = torch.tensor(ctx_lens, dtype=torch.long)
     key_pos = torch.arange(max_ctx, dtype=torch.long)
     mask = window_mask = None
@@ -129,7 +127,7 @@ def build_group(
 
     return AttnGroup(
         num_tokens=sum(q_lens),
-        key_slots=key_slots.to(device),
+        key_slots=key_slots,
         mask=additive(mask),
         q_index=q_index,
         out_index=out_index,
@@ -137,6 +135,53 @@ def build_group(
         q_len=max_q,
         window_mask=additive(window_mask),
     )
+
+
+def _fused_table(block_table: torch.Tensor, max_ctx: int, block_size: int,
+                device: torch.device) -> torch.Tensor:
+    nblk = -(-max_ctx // block_size)
+    return block_table[:, :nblk].to(device=device, dtype=torch.int32).contiguous()
+
+
+def _key_slots(block_table: torch.Tensor, max_ctx: int, block_size: int,
+               device: torch.device) -> torch.Tensor:
+    """[B * max_ctx] cache slot of each sequence's keys (past a context: pad)."""
+    nblk = -(-max_ctx // block_size)
+    table = block_table[:, :nblk].long()
+    offs = torch.arange(block_size, dtype=torch.long)
+    b = table.shape[0]
+    return (table.unsqueeze(-1) * block_size + offs).view(b, -1)[:, :max_ctx].reshape(-1).to(
+        device)
+
+
+def build_groups(
+    q_lens: list[int],
+    ctx_lens: list[int],
+    block_tables: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    fused: bool,
+    windows: Sequence[int],
+) -> list[AttnGroup]:
+    """build_group for each KV cache group: block_tables[g] with windows[g].
+    Groups of one window differ in their block table only, so only that is
+    built again (Gemma 3 1B: 7 groups, 2 windows)."""
+    made: dict[int, AttnGroup] = {}
+    out = []
+    max_ctx = max(ctx_lens)
+    for table, window in zip(block_tables.unbind(0), windows):
+        first = made.get(window)
+        if first is None:
+            first = made[window] = build_group(q_lens, ctx_lens, table, block_size, device,
+                                               dtype, fused, window)
+            out.append(first)
+        elif fused:
+            out.append(replace(first, block_table=_fused_table(table, max_ctx, block_size,
+                                                               device)))
+        else:
+            out.append(replace(first, key_slots=_key_slots(table, max_ctx, block_size, device)))
+    return out
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

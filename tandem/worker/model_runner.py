@@ -15,7 +15,7 @@ import torch
 from tandem.core.kv_cache_manager import KVCacheGroups
 from tandem.core.request import Request
 from tandem.core.scheduler import SchedulerOutput
-from tandem.model.attention import AttentionMetadata, build_group
+from tandem.model.attention import AttentionMetadata, build_groups
 from tandem.model.kv_cache import KVCache, kv_cache_class, kv_zeros
 from tandem.model.llama import LlamaModel
 from tandem.worker.block_table import BlockTable
@@ -94,15 +94,17 @@ class ModelRunner:
         pre = [(r, n) for r, n in zip(out.requests, out.num_scheduled_tokens) if n > 1]
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[list[int]] = []  # per decode, its slot in each group
+        slots: list[list[int]] = [[] for _ in self.groups.windows]  # per group, the decodes'
+        group0, others = slots[0], slots[1:]
         for r, _ in dec:
             c = r.num_computed_tokens
             ids.append(r.token_ids[c])
             positions.append(c)
             i, off = divmod(c, bs)
-            slots.append([r.block_ids[i] * bs + off,
-                          *(g[i] * bs + off for g in r.group_block_ids)])
-        slot_parts = [torch.tensor(slots, dtype=torch.long).view(-1, len(self.groups.windows)).T]
+            group0.append(r.block_ids[i] * bs + off)
+            for out_slots, g in zip(others, r.group_block_ids):
+                out_slots.append(g[i] * bs + off)
+        slot_parts = [torch.tensor(slots, dtype=torch.long)]
         pre_rows = self.block_table.rows([r for r, _ in pre])
         for (r, n), row in zip(pre, pre_rows):
             c = r.num_computed_tokens
@@ -123,17 +125,15 @@ class ModelRunner:
             if not items:
                 return [None] * len(windows)
             ctx = [r.num_computed_tokens + n for r, n in items]
-            tables = self.block_table.table(rows, -(-max(ctx) // bs))
-            q_lens = [n for _, n in items]
-            return [build_group(q_lens, ctx, table, bs, self.device, self.model.dtype,
-                                self.model.fused, window)
-                    for table, window in zip(tables, windows)]
+            return build_groups([n for _, n in items], ctx,
+                                self.block_table.table(rows, -(-max(ctx) // bs)), bs,
+                                self.device, self.model.dtype, self.model.fused, windows)
 
         # One group (no KV cache groups) holds every layer: its windowed ones'.
         windows = self.groups.windows if self.groups.hybrid else (self.model.window,)
         slot_mapping = torch.cat(slot_parts, 1).to(self.device)
         metas = [AttentionMetadata(slot_mapping=s, decode=d, prefill=p) for s, d, p in zip(
-            slot_mapping, groups(dec, self.block_table.rows([r for r, _ in dec])),
+            slot_mapping.unbind(0), groups(dec, self.block_table.rows([r for r, _ in dec])),
             groups(pre, pre_rows))]
         dev = self.device
         return (
@@ -160,8 +160,10 @@ class ModelRunner:
         for r in reqs:
             c = r.num_computed_tokens
             i, off = divmod(c, bs)
-            tokens.append((r.token_ids[c], c, r.block_ids[i] * bs + off,
-                           *(g[i] * bs + off for g in r.group_block_ids)))
+            row = [r.token_ids[c], c, r.block_ids[i] * bs + off]
+            for g in r.group_block_ids:
+                row.append(g[i] * bs + off)
+            tokens.append(row)
         nblk = max(t[1] for t in tokens) // bs + 1  # blocks of the longest context
         table = self.block_table.table(self.block_table.rows(reqs), nblk)
         return torch.tensor(tokens, dtype=torch.long), table
