@@ -8,10 +8,12 @@ only. On the synthetic Gemma 3 1B GGUF (benchmarks/synthetic_gguf.py) and one
 ``max_model_len`` its pool allows, then serves ``--streams`` requests of
 ``--context`` random prompt tokens and ``--tokens`` output tokens: the pool's
 peak usage while they run, and the decode tok/s of the steps after every
-prompt is prefilled. Ratios are groups / off, measured in this run.
+prompt is prefilled (the best of ``--rounds``, the variants alternated).
+Ratios are groups / off, measured in this run.
 
     .venv/bin/python benchmarks/sliding_window_kv.py [--model M] [--type q8_0]
-        [--streams 4] [--context 2048] [--tokens 24] [--kv-cache-memory 512MiB]
+        [--streams 4] [--context 2048] [--tokens 64] [--kv-cache-memory 256MiB]
+        [--rounds 2]
 """
 
 from __future__ import annotations
@@ -53,29 +55,33 @@ def main() -> None:
     ap.add_argument("--type", default="q8_0", help="the synthetic GGUF's type")
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--context", type=int, default=2048, help="prompt tokens per stream")
-    ap.add_argument("--tokens", type=int, default=24, help="output tokens per stream")
-    ap.add_argument("--kv-cache-memory", default="512MiB")
+    ap.add_argument("--tokens", type=int, default=64, help="output tokens per stream")
+    ap.add_argument("--kv-cache-memory", default="256MiB")
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     set_threads(a.threads)
     model = a.model or str(synthetic_gguf("gemma3-1b", a.type, log=lambda m: print(
         m, file=sys.stderr, flush=True)))
-    rows = {}
-    for label, off in (("groups", False), ("off", True)):
-        engine = LLMEngine(model=model, kv_cache_memory=a.kv_cache_memory,
-                           disable_hybrid_kv_cache_manager=off)
-        g = engine.kv_groups
+    engines = {label: LLMEngine(model=model, kv_cache_memory=a.kv_cache_memory,
+                                disable_hybrid_kv_cache_manager=off)
+               for label, off in (("groups", False), ("off", True))}
+    best: dict[str, tuple[float, float]] = {}
+    for _ in range(a.rounds):  # alternated: this machine's memory speed drifts
+        for label, engine in engines.items():
+            peak, rate = serve(engine, a.streams, a.context, a.tokens)
+            best[label] = (peak, max(rate, best.get(label, (0, 0))[1]))
+    for label, engine in engines.items():
+        g, (peak, rate) = engine.kv_groups, best[label]
         held = g.blocks_for(a.context + a.tokens, engine.config.block_size,
                             engine.max_num_batched_tokens)
-        peak, rate = serve(engine, a.streams, a.context, a.tokens)
-        rows[label] = (engine.max_model_len, peak, rate)
         print(f"{label:>6}: {len(g.windows)} KV cache group(s) of {g.group_size} layers, "
               f"windows {g.windows}; max_model_len {engine.max_model_len:,}; a "
               f"{a.context + a.tokens}-token request holds at most {held} of "
               f"{engine.kv_manager.num_blocks} blocks; {a.streams} streams: peak pool usage "
-              f"{peak:.1%}, decode {rate:.1f} tok/s", flush=True)
-        del engine
-    (len_g, peak_g, rate_g), (len_o, peak_o, rate_o) = rows["groups"], rows["off"]
+              f"{peak:.1%}, decode {rate:.1f} tok/s (best of {a.rounds})")
+    (peak_g, rate_g), (peak_o, rate_o) = best["groups"], best["off"]
+    len_g, len_o = (engines[k].max_model_len for k in ("groups", "off"))
     print(f"groups / off: max_model_len {len_g / len_o:.2f}x, peak pool usage "
           f"{peak_g / peak_o:.2f}x, decode tok/s {rate_g / rate_o:.2f}x")
 

@@ -109,3 +109,12 @@ def test_kv_hand_off_needs_one_group(gemma3):
         _engine(path).export_kv(list(range(3, 20)))
     flat = _engine(path, disable_hybrid_kv_cache_manager=True)
     assert flat.export_kv(list(range(3, 20))).token_ids == []  # nothing cached yet
+
+
+def test_plan_engine_check_counts_every_layer_of_the_pool(gemma3):
+    from tandem.tools.plan.engine_check import check_engine
+
+    _, path = gemma3
+    chk = check_engine(str(path), kv_cache_memory=2**20, kv_cache_dtype="fp32")
+    assert chk.ok and chk.engine_cache_tokens == 2**20 // (3 * 256)
+    assert any("windowed layers keep a request's last 10 keys" in n for n in chk.notes)
