@@ -29,10 +29,13 @@ LLAMA3_ROPE = dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_fa
 # Gemma 3's shape: windowed layers around a global one (each with its RoPE base, the
 # global one scaled as the 4B+ models'), a query scale of its own, a tied LM head.
 # Gemma 2's: windowed layers around a global one, its logits soft-capped low enough
-# (attention's at 5, the output's at 3) that tanh bends them.
+# (attention's at 5, the output's at 3) that tanh bends them. Gemma 3's weights are
+# small enough that the next token's probability is not ~1 (at COMMON's 0.3 it was
+# 1 - 1e-6, so a decode path's error could not move a greedy id).
 GEMMA2 = dict(num_hidden_layers=3, sliding_window=10, query_pre_attn_scalar=24,
               tie_word_embeddings=True, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
 GEMMA3 = dict(num_hidden_layers=3, sliding_window=10, query_pre_attn_scalar=24,
+              initializer_range=0.02,
               tie_word_embeddings=True,
               layer_types=["sliding_attention", "full_attention", "sliding_attention"],
               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
