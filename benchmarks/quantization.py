@@ -100,7 +100,7 @@ def main() -> None:
         prefix = [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), len(x))
                   for x, y in zip(g, ref_greedy)]
         rows.append((f"{quant}/{kv}", len(ids), loss, wbytes, bw, rate, ceiling,
-                     llm.engine.kv_manager.num_blocks * llm.engine.config.block_size,
+                     llm.engine.kv_pool_tokens,
                      same, sum(prefix) / len(prefix)))
     print(f"quality: {TEXT.name}, {rows[0][1]} tokens; speed: {a.tokens} greedy tokens, "
           f"{a.threads} threads; pool: 512 MiB; agreement: {len(PROMPTS)} prompts x "

@@ -93,7 +93,7 @@ def wide_step_ms(path: str, seqs: int = 64, context: int = 4096, steps: int = 40
     reqs = list(engine.requests.values())
     ctx = torch.tensor([r.num_computed_tokens for r in reqs], dtype=torch.int32)
     bs, blocks = engine.config.block_size, engine.runner.block_table
-    table = blocks.table(blocks.rows(reqs), -(-int(ctx.max()) // bs))
+    table = blocks.table(blocks.rows(reqs), -(-int(ctx.max()) // bs))[0]  # one KV group
     q = torch.randn(len(reqs), 1, 16)
     cache = engine.kv_caches[0]
     for _ in range(steps):

@@ -317,8 +317,8 @@ class EngineConfig:
     disable_hybrid_kv_cache_manager: bool = _flag(
         False, "hold every layer's KV for a request's whole context; by default a model that "
         "mixes sliding-window and full-attention layers (Gemma 2 and 3) releases its windowed "
-        "layers' blocks as they slide out of the window (KV hand-off between replicas needs "
-        "this flag)")
+        "layers' blocks as they slide out of the window (disaggregated replicas set this "
+        "flag: their KV hand-off needs it)")
     num_threads: int | None = _flag(
         None, "CPU threads for the model (default: the cores this process may use, from its "
         "affinity mask and cgroup CPU quota; `tandem serve` then uses fewer while other "

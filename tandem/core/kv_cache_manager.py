@@ -9,17 +9,19 @@ Prefix caching (vLLM's automatic prefix caching):
   across processes (only str/bytes hashing is salted), so it costs ~1 µs per
   16 tokens on the scheduling path.
 * A hash is only a lookup key, never trusted: a hit also checks the block's
-  token ids and that its parent is the block matched just before it. By
-  induction from the first block, a hit therefore holds exactly the KV of the
-  same token prefix, whatever the hash collides with. For that, a block is only
-  registered while its parent is: a parent_id never names a block that was
-  evicted and reused since.
+  token ids and that its parent is the block matched just before it, as it
+  was when the child was registered (its id and ``generation``, bumped each
+  time a block is taken fresh). By induction from the first block, a hit
+  therefore holds exactly the KV of the same token prefix, whatever the hash
+  collides with.
+* A block computed again while an equal one is cached (same hash, same parent
+  and tokens: a request whose hit was shortened) stays unregistered; the
+  cached one stands for that prefix, the request's next block is registered
+  as its child, and its window blocks beside it.
 * Freed blocks keep their contents and hash and sit in the free list; they are
   evicted only when a fresh block is needed. Blocks without a hash go to the
   front (evicted first); a freed chain is appended tail first, so the tail of a
-  chain is evicted before its head. Any hit on a child also touches its parent,
-  so a cached block's parent is never evicted before it: the parent check
-  above always compares against a live block.
+  chain is evicted before its head (a hit needs the head).
 * A cached block with ref count 0 counts as free (usage returns to ~0 at idle);
   reviving it takes it out of the free list, i.e. it consumes free capacity.
 
@@ -35,7 +37,7 @@ is only a prefix-cache hit when the full-attention block at its index is
 (checked as above) and is the very block it was registered beside (its id and
 ``generation``, bumped on every reuse): so a window block holds exactly the
 KV of the prefix the group-0 chain checked. A hit needs the window groups'
-blocks for the last W keys before the hit, not the ones before.
+blocks of the W - 1 keys before the hit, not the ones before.
 
 Invariant (tests assert it): once no request holds blocks, every ref count is 0
 and every block is in the free list.
@@ -140,7 +142,7 @@ def group_layers(layer_windows: Sequence[int], hybrid: bool = True) -> KVCacheGr
 
 class KVCacheBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "parent_id", "generation",
-                 "group", "peer_generation")
+                 "group", "parent_generation")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -148,11 +150,12 @@ class KVCacheBlock:
         self.block_hash: int | None = None
         self.token_ids: tuple[int, ...] | None = None
         # Group 0: the block matched before this one (-1 = first); another group's:
-        # the group-0 block at its index when it was registered.
+        # the group-0 block at its index. Both with that block's generation when
+        # this one was registered.
         self.parent_id: int | None = None
+        self.parent_generation = 0
         self.generation = 0  # bumped each time the block is taken fresh
         self.group = 0
-        self.peer_generation = 0  # a window block's peer's generation when registered
 
     def __repr__(self) -> str:
         return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
@@ -255,7 +258,7 @@ class KVCacheManager:
             for h, peer in zip(hashes, hits):
                 b = cached.get(h)
                 if b is not None and (b.parent_id != peer.block_id
-                                      or b.peer_generation != peer.generation):
+                                      or b.parent_generation != peer.generation):
                     b = None
                 r = r + 1 if b is not None else 0
                 blocks.append(b)
@@ -275,18 +278,21 @@ class KVCacheManager:
         """The cached blocks of the longest prefix of this hash chain, checked (see above)."""
         bs = self.block_size
         hits: list[KVCacheBlock] = []
-        parent_id = -1
+        parent = (-1, 0)
         for i, h in enumerate(hashes):
             block = self.cached.get(h)
-            if (
-                block is None
-                or block.parent_id != parent_id
-                or block.token_ids != tuple(tokens[i * bs : (i + 1) * bs])
-            ):
+            if block is None or not self._continues(block, parent, tokens[i * bs : (i + 1) * bs]):
                 break
             hits.append(block)
-            parent_id = block.block_id
+            parent = (block.block_id, block.generation)
         return hits
+
+    @staticmethod
+    def _continues(block: KVCacheBlock, parent: tuple[int, int], tokens: Sequence[int]) -> bool:
+        """The block was registered as the child of ``parent`` (id, generation)
+        holding these tokens."""
+        return ((block.parent_id, block.parent_generation) == parent
+                and block.token_ids == tuple(tokens))
 
     def cached_prefix(self, token_ids: Sequence[int]) -> list[KVCacheBlock]:
         """The cached blocks of token_ids' longest cached full-block prefix (group 0)."""
@@ -314,7 +320,8 @@ class KVCacheManager:
             block = self._take_free(0)
             block.block_hash = hashes[i]
             block.token_ids = tuple(token_ids[i * bs : (i + 1) * bs])
-            block.parent_id = held[-1].block_id if held else -1
+            block.parent_id, block.parent_generation = (
+                (held[-1].block_id, held[-1].generation) if held else (-1, 0))
             self.cached[hashes[i]] = block
             held.append(block)
             fresh.append(i)
@@ -328,30 +335,40 @@ class KVCacheManager:
         tokens = request.token_ids
         block_ids = request.block_ids
         num_full = num_tokens // bs
+        parent = request.cached_tail  # the chain's block at num_cached_blocks - 1
         for i in range(request.num_cached_blocks, num_full):
+            if parent is None:
+                break  # the chain broke on a collision: nothing past it could be hit
             block = self.blocks[block_ids[i]]
-            if block.block_hash is not None:
-                continue  # a prefix-cache hit: already registered
-            if i and self.blocks[block_ids[i - 1]].block_hash is None:
-                # The chain is broken: the parent is not in the cache (its hash
-                # was already taken). A child registered under it could never be
-                # hit now, and once the parent is evicted, reused and registered
-                # under a colliding hash, the parent check would pass and serve
-                # KV computed after other tokens. Register nothing past it.
-                break
+            if block.block_hash is not None:  # a prefix-cache hit: already registered
+                parent = (block.block_id, block.generation)
+                continue
             h = request.block_hashes[i]
-            if h in self.cached:
-                continue  # same content computed twice, or a collision: keep the first
+            equal = self.cached.get(h)
+            if equal is not None:  # computed again (a shortened hit), or a collision
+                if self._continues(equal, parent, tokens[i * bs : (i + 1) * bs]):
+                    self._register_beside(request, i, equal)
+                    parent = (equal.block_id, equal.generation)
+                else:
+                    parent = None
+                continue
             block.block_hash = h
             block.token_ids = tuple(tokens[i * bs : (i + 1) * bs])
-            block.parent_id = block_ids[i - 1] if i else -1
+            block.parent_id, block.parent_generation = parent
             self.cached[h] = block
-            for ids, cached in zip(request.group_block_ids, self.group_cached):
-                peered = self.blocks[ids[i]]  # computed this step: not released yet
-                peered.block_hash, peered.token_ids = h, block.token_ids
-                peered.parent_id, peered.peer_generation = block.block_id, block.generation
-                cached[h] = peered  # a stale entry (its peer was evicted) is replaced
+            self._register_beside(request, i, block)
+            parent = (block.block_id, block.generation)
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
+        request.cached_tail = parent
+
+    def _register_beside(self, request: Request, i: int, peer: KVCacheBlock) -> None:
+        """Register the other groups' blocks at index i (computed this step: not
+        released) beside group 0's registered ``peer`` for that prefix."""
+        for ids, cached in zip(request.group_block_ids, self.group_cached):
+            block = self.blocks[ids[i]]
+            block.block_hash, block.token_ids = peer.block_hash, peer.token_ids
+            block.parent_id, block.parent_generation = peer.block_id, peer.generation
+            cached[peer.block_hash] = block  # an entry beside an evicted peer is replaced
 
     # -------------------------------------------------------------- allocation
     def _take_free(self, group: int) -> KVCacheBlock:
@@ -433,6 +450,7 @@ class KVCacheManager:
         request.block_ids = []
         request.group_block_ids = []
         request.num_cached_blocks = 0
+        request.cached_tail = (-1, 0)
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop one reference to each block, tail first; a block no one holds is free."""

@@ -109,6 +109,10 @@ class Request:
         self.group_block_ids: list[list[int]] = []  # KV cache groups past the first
         self.block_hashes: list[int] = []  # chained hashes of full blocks, filled lazily
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
+        # (id, generation) of the cached block standing for the prefix through
+        # block num_cached_blocks - 1 (its own or an equal one; (-1, 0): none yet,
+        # None: a collision broke the chain).
+        self.cached_tail: tuple[int, int] | None = (-1, 0)
         self.num_cached_tokens = -1  # prefix-cache hit on first admission; -1 = not yet
         self.num_preemptions = 0
         # The grammar state of a constrained request (worker/structured_output.py's

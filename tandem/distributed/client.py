@@ -76,6 +76,8 @@ class RayEngineClient:
         if config.adaptive_threads:  # one torch thread per CPU Ray gives the actor
             config = dataclasses.replace(config, num_threads=max(1, int(spec.num_cpus)),
                                          adaptive_threads=False)
+        if spec.disaggregated:  # KV hand-off moves every layer's KV in one block table
+            config = dataclasses.replace(config, disable_hybrid_kv_cache_manager=True)
         actor = ray.remote(EngineReplica)
         self.names = names
         self.actors = [actor.options(num_cpus=spec.num_cpus, max_restarts=spec.max_restarts,

@@ -108,8 +108,11 @@ class LLMEngine:
         layer_bytes = kv_cache_class(self.kv_cache_dtype).bytes_per_token_layer(
             cfg.num_key_value_heads, cfg.head_dim)
         bytes_per_token = cfg.num_hidden_layers * layer_bytes  # every layer's KV of a token
-        groups = group_layers([cfg.layer_window(i) for i in range(cfg.num_hidden_layers)],
-                              hybrid=not c.disable_hybrid_kv_cache_manager)
+        # A window as long as the context hides no key: such layers group as full ones.
+        longest = c.max_model_len or cfg.max_position_embeddings
+        groups = group_layers([w if w < longest else 0 for w in map(
+            cfg.layer_window, range(cfg.num_hidden_layers))],
+            hybrid=not c.disable_hybrid_kv_cache_manager)
         block_bytes = groups.group_size * layer_bytes * c.block_size  # one group's layers
         # An explicit budget holds for every step (vLLM's semantics); CPU's default
         # follows the model's cost and caps prompt tokens in steps with decodes.
@@ -144,9 +147,9 @@ class LLMEngine:
 
         if blocks_for(max_len) > num_blocks:
             fits = bisect.bisect_right(range(max_len + 1), num_blocks, key=blocks_for) - 1
-            if c.max_model_len is not None:
+            if c.max_model_len is not None or fits < 2:
                 raise ValueError(
-                    f"--max-model-len {max_len} needs {blocks_for(max_len)} KV blocks but the "
+                    f"a {max_len}-token context needs {blocks_for(max_len)} KV blocks but the "
                     f"pool holds {num_blocks} ({fits} tokens); raise --kv-cache-memory or "
                     "lower --max-model-len"
                 )

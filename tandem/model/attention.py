@@ -10,10 +10,10 @@ and paged_attention_prefill read K/V straight from the cache through each
 block table, over the flat batch). Otherwise each step gathers every
 sequence's keys through its block table into a padded batch and calls SDPA
 with a mask (aten has no paged/varlen attention op). All index and mask
-tensors are built once per step (``AttentionMetadata``) and reused by every
-layer. The flat batch is ordered decodes first, then prefill chunks, so the
-two groups are contiguous slices: decodes need no query padding and a lone
-prefill chunk needs none either.
+tensors are built once per step (``AttentionMetadata``, one per KV cache
+group) and reused by every layer of the group. The flat batch is ordered
+decodes first, then prefill chunks, so the two groups are contiguous slices:
+decodes need no query padding and a lone prefill chunk needs none either.
 
 A layer with a sliding window of W keys (Mistral, Phi-3, Gemma 3, some Qwen2 layers)
 lets each query see its last W keys, itself included (HF's q - k < W): the
@@ -75,8 +75,9 @@ def build_group(
     row i of ``block_table`` (CPU, integer, at least the longest context's
     blocks wide; entries past a context are never read). ``fused``: the group
     gets the block table and lengths (and a prefill group its queries' flat
-    offsets) the fused kernels read. ``window``: the model's windowed layers'
-    window (0: none), for which the reference path gets a mask of its own.
+    offsets) the fused kernels read. ``window``: the window of the windowed
+    layers that read this group (0: none), for which the reference path gets a
+    mask of its own.
     """
     b = len(q_lens)
     max_q, max_ctx = max(q_lens), max(ctx_lens)

@@ -55,7 +55,9 @@ class BlockTable:
 
     def table(self, rows: list[int], num_blocks: int) -> torch.Tensor:
         """[groups, len(rows), num_blocks] int32: the rows' first num_blocks block
-        ids in each group (entries past a sequence's blocks are stale, never read)."""
+        ids in each group (entries past a sequence's blocks are stale, never read;
+        a window group's before its window are stale or 0: the kernels skip them,
+        the reference path masks them)."""
         # numpy's gather (~6 us) may lay the result out groups-last.
         return torch.from_numpy(np.ascontiguousarray(self.array[:, rows, :num_blocks]))
 

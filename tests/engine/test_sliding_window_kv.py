@@ -20,7 +20,7 @@ POOL = dict(kv_cache_memory="48KiB", kv_cache_dtype="fp32", block_size=4,
 
 
 def _engine(path, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(path), skip_tokenizer_init=True, **POOL, **kw))
+    return LLMEngine(EngineConfig(model=str(path), skip_tokenizer_init=True, **{**POOL, **kw}))
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,10 @@ def test_the_pool_holds_a_longer_context_with_window_groups(gemma3):
     assert hybrid.max_model_len == 128
     with pytest.raises(ValueError, match="pool holds 48"):
         _engine(path, max_model_len=129)
+    with pytest.raises(ValueError, match="pool holds 1 "):  # no context fits
+        _engine(path, kv_cache_memory="1KiB")
+    # A window no shorter than the context hides no key: one group.
+    assert not _engine(path, max_model_len=10).kv_groups.hybrid
 
 
 def _hf_logprobs(hf, prompt: list[int], out: list[int]) -> list[float]:

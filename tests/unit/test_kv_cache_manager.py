@@ -320,8 +320,10 @@ def test_random_workload_hits_only_kv_of_the_same_prefix(seed):
             assert (b.ref_cnt == 0) == (b.block_id in kv.free_blocks)
             if b.block_hash is not None:
                 assert kv.cached[b.block_hash] is b
-                if b.parent_id != -1:  # a cached block's parent is cached too
-                    assert kv.blocks[b.parent_id].block_hash is not None
+                parent = kv.blocks[b.parent_id] if b.parent_id != -1 else None
+                if parent is not None and parent.generation == b.parent_generation:
+                    assert parent.block_hash is not None  # its parent, not taken since
+
         assert kv.usage == pytest.approx(len(set(held)) / kv.num_blocks)
     for r in live:
         kv.free(r)
@@ -442,3 +444,28 @@ def test_group_layers_pads_the_fewest_layers_in_at_most_eight_groups():
     g = group_layers(gemma2)
     assert g.blocks_for(1000, 16, 64) == 63 + 63  # a window of 4096 holds them all
     assert group_layers([0, 32, 32, 0]).blocks_for(1000, 16, 64) == 63 + 7
+
+
+def test_a_hit_shortened_by_a_window_still_caches_what_the_request_computes():
+    """A hit cut short because a window group's blocks were evicted recomputes
+    blocks group 0 still holds: their window blocks are registered beside the
+    cached ones and the chain goes on, so the next turn hits the whole prompt."""
+    kv = KVCacheManager(64, 4, windows=(0, 6))
+    first = req(range(40), "first")
+    assert kv.allocate_slots(first, 40)
+    first.num_computed_tokens = 40
+    kv.free(first)
+    for i in (8, 9):  # evict the window group's last two blocks
+        block = kv.group_cached[0][first.block_hashes[i]]
+        kv.free_blocks.move_to_end(block.block_id, last=False)
+        kv.release([kv._take_free(0).block_id])
+    second = req(list(range(40)) + list(range(50, 58)), "second")
+    hits, n = kv.get_computed_blocks(second)
+    assert n == 32  # the window of a hit at 40 or 36 tokens is gone
+    assert kv.allocate_slots(second, second.num_tokens - n, hits)
+    second.num_computed_tokens = second.num_tokens
+    kv.free(second)
+    third = req(second.token_ids + [60, 61], "third")
+    hits, n = kv.get_computed_blocks(third)
+    assert n == 48
+    assert kv.usage == 0
