@@ -87,6 +87,9 @@ class DecodeStep:
         [B, vocab] and each row's argmax (the greedy token, so plain greedy
         sampling runs no torch op after the step). The new K/V go to the caches."""
         logits, argmax = self._step.forward(tokens, block_tables)
-        # tanh keeps the order, so the argmax holds (but for logits past ~9x the
-        # cap, where fp32's tanh saturates and HF's would tie them).
-        return soft_cap(logits, self.final_softcap), argmax
+        if self.final_softcap is None:
+            return logits, argmax
+        # tanh keeps the order, but fp32's saturates past ~9x the cap, where the
+        # capped logits tie and HF's greedy token is the first of them.
+        logits = soft_cap(logits, self.final_softcap)
+        return logits, logits.argmax(-1)

@@ -161,3 +161,19 @@ def test_the_cpp_step_refuses_what_it_does_not_implement(tmp_path):
     with pytest.raises(RuntimeError, match="unknown weight kind"):
         step.add_layer(layer.input_norm, layer.post_norm, [7, *kinds[1:]], tensors, None,
                        layer.q_norm, layer.k_norm, cache, scale, 0, None, None, False, 0)
+
+
+def test_a_saturated_final_soft_cap_ties_as_in_hf():
+    """Gemma 2's output cap: past ~9x the cap fp32's tanh saturates and the capped
+    logits tie; the greedy token is then the first of them (HF's argmax), not the
+    raw logits' argmax the C++ step takes."""
+    class Raw:
+        def forward(self, tokens, tables):
+            return torch.tensor([[0.5, 20.0, 12.0, -3.0]]), torch.tensor([1])
+
+    step = DecodeStep.__new__(DecodeStep)
+    step._step, step.final_softcap = Raw(), 0.05
+    logits, argmax = step(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 1, 1))
+    assert torch.equal(logits[0, :3], torch.full((3,), 0.05)) and argmax.tolist() == [0]
+    step.final_softcap = None  # no cap: the step's own argmax
+    assert step(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 1, 1))[1].tolist() == [1]
