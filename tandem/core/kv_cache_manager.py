@@ -11,9 +11,11 @@ Prefix caching (vLLM's automatic prefix caching):
 * A hash is only a lookup key, never trusted: a hit also checks the block's
   token ids and that its parent is the block matched just before it, as it
   was when the child was registered (its id and ``generation``, bumped each
-  time a block is taken fresh). By induction from the first block, a hit
-  therefore holds exactly the KV of the same token prefix, whatever the hash
-  collides with.
+  time a block is taken fresh or leaves the cache). By induction from the
+  first block, a hit therefore holds exactly the KV of the same token prefix,
+  whatever the hash collides with. A block whose chain no lookup can reach
+  any more (an ancestor was taken since) gives its hash to the next block
+  registered under it.
 * A block computed again while an equal one is cached (same hash, same parent
   and tokens: a request whose hit was shortened) stays unregistered; the
   cached one stands for that prefix, the request's next block is registered
@@ -154,7 +156,7 @@ class KVCacheBlock:
         # this one was registered.
         self.parent_id: int | None = None
         self.parent_generation = 0
-        self.generation = 0  # bumped each time the block is taken fresh
+        self.generation = 0  # bumped each time the block is taken fresh or unregistered
         self.group = 0
 
     def __repr__(self) -> str:
@@ -337,21 +339,26 @@ class KVCacheManager:
         num_full = num_tokens // bs
         parent = request.cached_tail  # the chain's block at num_cached_blocks - 1
         for i in range(request.num_cached_blocks, num_full):
-            if parent is None:
-                break  # the chain broke on a collision: nothing past it could be hit
+            if parent is None or not self._registered(parent):
+                # A collision broke the chain, or the block standing for the prefix
+                # so far was taken since: nothing registered past it could be hit.
+                parent = None
+                break
             block = self.blocks[block_ids[i]]
             if block.block_hash is not None:  # a prefix-cache hit: already registered
                 parent = (block.block_id, block.generation)
                 continue
             h = request.block_hashes[i]
             equal = self.cached.get(h)
-            if equal is not None:  # computed again (a shortened hit), or a collision
+            if equal is not None:  # computed again (a shortened hit), a collision, or stale
                 if self._continues(equal, parent, tokens[i * bs : (i + 1) * bs]):
                     self._register_beside(request, i, equal)
                     parent = (equal.block_id, equal.generation)
-                else:
+                    continue
+                if self._reachable(equal):  # another prefix's block under this hash
                     parent = None
-                continue
+                    continue
+                self._unregister(equal)  # no lookup reaches it: this block takes its hash
             block.block_hash = h
             block.token_ids = tuple(tokens[i * bs : (i + 1) * bs])
             block.parent_id, block.parent_generation = parent
@@ -360,6 +367,34 @@ class KVCacheManager:
             parent = (block.block_id, block.generation)
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
         request.cached_tail = parent
+
+    def _registered(self, ref: tuple[int, int]) -> bool:
+        """The block (id, generation) is registered as it was then (-1: the root)."""
+        block_id, generation = ref
+        if block_id == -1:
+            return True
+        block = self.blocks[block_id]
+        return block.generation == generation and block.block_hash is not None
+
+    def _reachable(self, block: KVCacheBlock) -> bool:
+        """A lookup can still reach the registered block: each block up its chain
+        is registered as it was when its child was. A chain's block stops being
+        reachable when an equal block stood for its prefix (a shortened hit's)
+        and was then taken fresh."""
+        while block.parent_id != -1:
+            if not self._registered((block.parent_id, block.parent_generation)):
+                return False
+            block = self.blocks[block.parent_id]
+        return True
+
+    def _unregister(self, block: KVCacheBlock) -> None:
+        """Take an unreachable block out of the prefix cache; its generation moves
+        on, so the blocks registered as its children or beside it are stale too."""
+        del self.cached[block.block_hash]
+        block.block_hash = block.token_ids = block.parent_id = None
+        block.generation += 1
+        if block.ref_cnt == 0:  # an unregistered free block is evicted first
+            self.free_blocks.move_to_end(block.block_id, last=False)
 
     def _register_beside(self, request: Request, i: int, peer: KVCacheBlock) -> None:
         """Register the other groups' blocks at index i (computed this step: not
@@ -381,7 +416,7 @@ class KVCacheManager:
             block.token_ids = None
             block.parent_id = None
         block.ref_cnt = 1
-        block.generation += 1
+        block.generation += 1  # (also when a block leaves the cache unreachable: _unregister)
         block.group = group
         return block
 

@@ -469,3 +469,40 @@ def test_a_hit_shortened_by_a_window_still_caches_what_the_request_computes():
     hits, n = kv.get_computed_blocks(third)
     assert n == 48
     assert kv.usage == 0
+
+
+def test_a_chain_whose_ancestor_was_taken_gives_its_hashes_to_the_next_one():
+    """A shortened hit continues from an equal cached block it does not hold;
+    once that block is evicted, the chain registered after it cannot be reached,
+    and a request computing the same prompt again registers its own in its place
+    (it stopped at the first such block and the next turn hit less)."""
+    kv = KVCacheManager(64, 4, windows=(0, 6))
+    first = req(range(40), "first")
+    assert kv.allocate_slots(first, 40)
+    first.num_computed_tokens = 40
+    kv.free(first)
+
+    def evict(block):
+        kv.free_blocks.move_to_end(block.block_id, last=False)
+        kv.release([kv._take_free(0).block_id])
+
+    for i in (8, 9):  # the window group's last blocks: the next hit is shortened
+        evict(kv.group_cached[0][first.block_hashes[i]])
+    tokens = list(range(40)) + list(range(50, 58))
+
+    def run(name):
+        r = req(tokens, name)
+        hits, n = kv.get_computed_blocks(r)
+        assert kv.allocate_slots(r, r.num_tokens - n, hits)
+        r.num_computed_tokens = r.num_tokens
+        kv.free(r)
+        return r, n
+
+    second, n = run("second")
+    assert n == 32
+    evict(kv.cached[first.block_hashes[9]])  # the equal block the second chain continued from
+    third, n = run("third")
+    assert n == 36  # block 9 is gone: recomputed from there, the second's 10 and 11 replaced
+    fourth, n = run("fourth")
+    assert n == 44  # the whole prompt but its last token's block
+    assert kv.usage == 0
