@@ -119,9 +119,10 @@ def group_layers(layer_windows: Sequence[int], hybrid: bool = True) -> KVCacheGr
     group size pads the fewest layers with at most MAX_KV_GROUPS groups
     (Gemma 3 1B's 4 full and 22 windowed layers: 7 groups of 4)."""
     n = len(layer_windows)
+    one = KVCacheGroups(n, (0,), (0,) * n, tuple(range(n)))
     kinds = sorted(set(layer_windows))
     if not hybrid or len(kinds) == 1 or kinds[0] != 0:
-        return KVCacheGroups(n, (0,), (0,) * n, tuple(range(n)))
+        return one
     members = [[i for i, w in enumerate(layer_windows) if w == k] for k in kinds]
 
     def cost(size: int) -> tuple[int, int]:  # (padded layers, groups)
@@ -131,7 +132,7 @@ def group_layers(layer_windows: Sequence[int], hybrid: bool = True) -> KVCacheGr
     size = min((s for s in range(1, min(map(len, members)) + 1)
                 if cost(s)[1] <= MAX_KV_GROUPS), key=lambda s: (cost(s), -s), default=None)
     if size is None:
-        return KVCacheGroups(n, (0,), (0,) * n, tuple(range(n)))
+        return one
     windows: list[int] = []
     group, slot = [0] * n, [0] * n
     for k, m in zip(kinds, members):
@@ -220,9 +221,6 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of blocks held by requests (cached-but-free counts as free)."""
         return 1.0 - len(self.free_blocks) / self.num_blocks
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
 
     def _first_needed(self, g: int, num_tokens: int) -> int:
         """Group g+1's first block a query at position num_tokens (or later) sees."""
@@ -332,11 +330,13 @@ class KVCacheManager:
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's blocks that are full within num_tokens (every
         group's at an index group 0 registers there)."""
-        self._update_block_hashes(request, num_tokens)
         bs = self.block_size
+        num_full = num_tokens // bs
+        if num_full <= request.num_cached_blocks:
+            return  # most decode steps: no block filled up
+        self._update_block_hashes(request, num_tokens)
         tokens = request.token_ids
         block_ids = request.block_ids
-        num_full = num_tokens // bs
         parent = request.cached_tail  # the chain's block at num_cached_blocks - 1
         for i in range(request.num_cached_blocks, num_full):
             if parent is None or not self._registered(parent):
@@ -365,7 +365,7 @@ class KVCacheManager:
             self.cached[h] = block
             self._register_beside(request, i, block)
             parent = (block.block_id, block.generation)
-        request.num_cached_blocks = max(request.num_cached_blocks, num_full)
+        request.num_cached_blocks = num_full
         request.cached_tail = parent
 
     def _registered(self, ref: tuple[int, int]) -> bool:
@@ -451,28 +451,28 @@ class KVCacheManager:
         reserve_blocks: free blocks that must remain afterwards (admission control
         keeps headroom for running requests so they are not preempted at once).
         """
-        hits = new_computed_blocks or ComputedBlocks([], [[] for _ in self.windows])
-        if len(request.group_block_ids) != len(self.windows):
-            request.group_block_ids = [[] for _ in self.windows]
-        self._remove_skipped_blocks(request)
-        total = request.num_computed_tokens + len(hits.blocks) * self.block_size
-        total += num_new_tokens
-        want = self.blocks_needed(total)
-        num_new_blocks = [want - len(request.block_ids) - len(hits.blocks)] + [
-            want - len(ids) - len(g) for ids, g in zip(request.group_block_ids, hits.groups)]
-        held = hits.held()
+        hits = new_computed_blocks
+        num_hits = 0 if hits is None else len(hits.blocks)
+        if self.windows:
+            if not request.group_block_ids:
+                request.group_block_ids = [[] for _ in self.windows]
+            self._remove_skipped_blocks(request)
+        total = request.num_computed_tokens + num_hits * self.block_size + num_new_tokens
+        # Every group's list is as long as group 0's (hits included): each takes as many.
+        num_new = max(-(-total // self.block_size) - len(request.block_ids) - num_hits, 0)
+        held = () if hits is None else hits.held()
         revived = sum(1 for b in held if b.ref_cnt == 0)
-        if sum(max(n, 0) for n in num_new_blocks) + revived + reserve_blocks > len(
-                self.free_blocks):
+        if num_new * (1 + len(self.windows)) + revived + reserve_blocks > len(self.free_blocks):
             return False
-        self._hold(held)
-        request.block_ids.extend(b.block_id for b in hits.blocks)
-        for ids, g in zip(request.group_block_ids, hits.groups):
-            ids.extend(NULL_BLOCK if b is None else b.block_id for b in g)
-        for group, (ids, n) in enumerate(zip([request.block_ids, *request.group_block_ids],
-                                             num_new_blocks)):
-            for _ in range(n):
-                ids.append(self._take_free(group).block_id)
+        if hits is not None:
+            self._hold(held)
+            request.block_ids.extend(b.block_id for b in hits.blocks)
+            for ids, g in zip(request.group_block_ids, hits.groups):
+                ids.extend(NULL_BLOCK if b is None else b.block_id for b in g)
+        if num_new:
+            for group, ids in enumerate((request.block_ids, *request.group_block_ids)):
+                for _ in range(num_new):
+                    ids.append(self._take_free(group).block_id)
         if self.enable_caching:
             self._cache_full_blocks(request, total)
         return True

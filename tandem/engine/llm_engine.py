@@ -108,9 +108,14 @@ class LLMEngine:
         layer_bytes = kv_cache_class(self.kv_cache_dtype).bytes_per_token_layer(
             cfg.num_key_value_heads, cfg.head_dim)
         bytes_per_token = cfg.num_hidden_layers * layer_bytes  # every layer's KV of a token
+        max_len = c.max_model_len or cfg.max_position_embeddings
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"--max-model-len {c.max_model_len} exceeds the model's context window "
+                f"({cfg.max_position_embeddings})"
+            )
         # A window as long as the context hides no key: such layers group as full ones.
-        longest = c.max_model_len or cfg.max_position_embeddings
-        groups = group_layers([w if w < longest else 0 for w in map(
+        groups = group_layers([w if w < max_len else 0 for w in map(
             cfg.layer_window, range(cfg.num_hidden_layers))],
             hybrid=not c.disable_hybrid_kv_cache_manager)
         block_bytes = groups.group_size * layer_bytes * c.block_size  # one group's layers
@@ -132,12 +137,6 @@ class LLMEngine:
             raise ValueError(
                 f"the KV cache budget ({budget} bytes) holds no block of {block_bytes} bytes; "
                 "raise --kv-cache-memory / --gpu-memory-utilization"
-            )
-        max_len = c.max_model_len or cfg.max_position_embeddings
-        if c.max_model_len is not None and c.max_model_len > cfg.max_position_embeddings:
-            raise ValueError(
-                f"--max-model-len {c.max_model_len} exceeds the model's context window "
-                f"({cfg.max_position_embeddings})"
             )
         # The most tokens one step computes for a request: a window group keeps them.
         chunk = budget_tokens if c.enable_chunked_prefill else max(budget_tokens, max_len)

@@ -272,22 +272,32 @@ def test_collision_never_serves_kv_computed_after_other_tokens():
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_random_workload_hits_only_kv_of_the_same_prefix(seed):
+@pytest.mark.parametrize("windows", [(0,), (0, 3)], ids=["one-group", "window-group"])
+def test_random_workload_hits_only_kv_of_the_same_prefix(windows, seed):
     """Model-based: every block remembers the token prefix its KV was computed
     with, and every hit must be exactly that prefix, under heavy hash collisions
-    (3 hash values, 2 token values, 2-token blocks, 8 blocks); ref counts, the
-    free list and usage must stay exact throughout."""
+    (3 hash values, 2 token values, 2-token blocks, 8 blocks a group); ref
+    counts, the free list and usage must stay exact throughout. With a second
+    KV cache group whose layers see their last 3 keys (Gemma's windowed
+    layers): its hits hold the same prefix's KV, a hit has every block its
+    window needs, and a running request holds only those."""
     import random
 
     rng = random.Random(seed)
     bs = 2
-    kv = KVCacheManager(8, bs, hash_fn=lambda p, t: hash((p, tuple(t))) % 3)
+    kv = KVCacheManager(4 + 4 * len(windows), bs, hash_fn=lambda p, t: hash((p, tuple(t))) % 3,
+                        windows=windows)
     computed: dict[int, tuple[int, ...]] = {}  # block id -> prefix its KV was computed with
     live: list[Request] = []
 
     def compute(r, start):
-        for i in range(start // bs, len(r.block_ids)):
-            computed[r.block_ids[i]] = tuple(r.token_ids[: min((i + 1) * bs, r.num_tokens)])
+        for ids in (r.block_ids, *r.group_block_ids):
+            for i in range(start // bs, len(ids)):
+                assert ids[i] != NULL_BLOCK
+                computed[ids[i]] = tuple(r.token_ids[: min((i + 1) * bs, r.num_tokens)])
+
+    def first_needed(w, pos):
+        return max(0, pos - w + 1) // bs
 
     for step in range(1000):
         op = rng.random()
@@ -297,76 +307,12 @@ def test_random_workload_hits_only_kv_of_the_same_prefix(seed):
             assert n == len(hits.blocks) * bs < r.num_tokens
             for j, blk in enumerate(hits.blocks):
                 assert computed[blk.block_id] == tuple(r.token_ids[: (j + 1) * bs])
-            if kv.allocate_slots(r, r.num_tokens - n, hits):
-                compute(r, n)
-                r.num_computed_tokens = r.num_tokens
-                live.append(r)
-            else:
-                assert r.block_ids == []
-        elif op < 0.75 and live:  # decode one token
-            r = rng.choice(live)
-            r.append_token(rng.randrange(2))
-            if kv.allocate_slots(r, 1):
-                compute(r, r.num_computed_tokens)
-                r.num_computed_tokens += 1
-            else:
-                kv.free(r)  # out of blocks: dropped (the scheduler would preempt it)
-                live.remove(r)
-        elif live:
-            kv.free(live.pop(rng.randrange(len(live))))
-        held = [b for r in live for b in r.block_ids]
-        for b in kv.blocks:
-            assert b.ref_cnt == held.count(b.block_id)
-            assert (b.ref_cnt == 0) == (b.block_id in kv.free_blocks)
-            if b.block_hash is not None:
-                assert kv.cached[b.block_hash] is b
-                parent = kv.blocks[b.parent_id] if b.parent_id != -1 else None
-                if parent is not None and parent.generation == b.parent_generation:
-                    assert parent.block_hash is not None  # its parent, not taken since
-
-        assert kv.usage == pytest.approx(len(set(held)) / kv.num_blocks)
-    for r in live:
-        kv.free(r)
-    assert all_free(kv)
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_random_workload_with_a_window_group(seed):
-    """The model-based workload above with a second KV cache group whose layers
-    see their last 3 keys (Gemma's windowed layers; 2-token blocks): every
-    group's hit holds KV of exactly the same prefix, a hit has every block its
-    window needs, a running request holds only those of the window group, and
-    ref counts, the free list and usage stay exact."""
-    import random
-
-    rng = random.Random(seed)
-    bs, w = 2, 3
-    kv = KVCacheManager(12, bs, hash_fn=lambda p, t: hash((p, tuple(t))) % 3, windows=(0, w))
-    computed: dict[int, tuple[int, ...]] = {}
-    live: list[Request] = []
-
-    def compute(r, start):
-        for ids in (r.block_ids, *r.group_block_ids):
-            for i in range(start // bs, len(ids)):
-                assert ids[i] != NULL_BLOCK
-                computed[ids[i]] = tuple(r.token_ids[: min((i + 1) * bs, r.num_tokens)])
-
-    def first_needed(pos):
-        return max(0, pos - w + 1) // bs
-
-    for step in range(1000):
-        op = rng.random()
-        if op < 0.45 and len(live) < 5:
-            r = req([rng.randrange(2) for _ in range(rng.randrange(1, 9))], f"{seed}-{step}")
-            hits, n = kv.get_computed_blocks(r)
-            assert n == len(hits.blocks) * bs < r.num_tokens
-            (window_hits,) = hits.groups
-            assert len(window_hits) == len(hits.blocks)
-            for j, (blk, wblk) in enumerate(zip(hits.blocks, window_hits)):
-                prefix = tuple(r.token_ids[: (j + 1) * bs])
-                assert computed[blk.block_id] == prefix
-                assert (wblk is None) == (j < first_needed(n))
-                assert wblk is None or computed[wblk.block_id] == prefix
+            for w, group_hits in zip(windows[1:], hits.groups, strict=True):
+                assert len(group_hits) == len(hits.blocks)
+                for j, blk in enumerate(group_hits):
+                    assert (blk is None) == (j < first_needed(w, n))
+                    assert blk is None or computed[blk.block_id] == tuple(
+                        r.token_ids[: (j + 1) * bs])
             if kv.allocate_slots(r, r.num_tokens - n, hits):
                 compute(r, n)
                 r.num_computed_tokens = r.num_tokens
@@ -377,13 +323,13 @@ def test_random_workload_with_a_window_group(seed):
             r = rng.choice(live)
             r.append_token(rng.randrange(2))
             if kv.allocate_slots(r, 1):
-                (ids,) = r.group_block_ids
-                first = first_needed(r.num_computed_tokens)
-                assert [b == NULL_BLOCK for b in ids] == [i < first for i in range(len(ids))]
+                for w, ids in zip(windows[1:], r.group_block_ids, strict=True):
+                    first = first_needed(w, r.num_computed_tokens)
+                    assert [b == NULL_BLOCK for b in ids] == [i < first for i in range(len(ids))]
                 compute(r, r.num_computed_tokens)
                 r.num_computed_tokens += 1
             else:
-                kv.free(r)
+                kv.free(r)  # out of blocks: dropped (the scheduler would preempt it)
                 live.remove(r)
         elif live:
             kv.free(live.pop(rng.randrange(len(live))))
@@ -394,6 +340,9 @@ def test_random_workload_with_a_window_group(seed):
             assert (b.ref_cnt == 0) == (b.block_id in kv.free_blocks)
             if b.block_hash is not None and b.group == 0:
                 assert kv.cached[b.block_hash] is b
+                parent = kv.blocks[b.parent_id] if b.parent_id != -1 else None
+                if parent is not None and parent.generation == b.parent_generation:
+                    assert parent.block_hash is not None  # its parent, not taken since
         assert kv.usage == pytest.approx(len(set(held)) / kv.num_blocks)
     for r in live:
         kv.free(r)
