@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tandem.model.gguf_meta import window_fields
+
 # Bump when the produced directory changes (names, config keys, files): old
 # cache entries then miss instead of being served in a stale layout.
 FORMAT_VERSION = 3
@@ -373,9 +375,7 @@ def _hf_config(reader, arch: str, tensors: dict, src: Path) -> tuple[dict, str |
     }
     if rope_dims is not None and int(rope_dims) != head_dim:
         config["partial_rotary_factor"] = int(rope_dims) / head_dim
-    window = get("attention.sliding_window")
-    if arch in ("phi3", "gemma2", "gemma3") and window:  # phi3's 0: none; llama's: not read
-        config["sliding_window"] = int(window)
+    config.update(window_fields(arch, get, n_layers, src))
     if arch in ("gemma2", "gemma3"):
         # What llama.cpp assumes of a Gemma file: queries scaled by the head
         # size, but the 27Bs' (gemma2: 46 layers, gemma3: 62) by hidden / heads;
@@ -389,16 +389,8 @@ def _hf_config(reader, arch: str, tensors: dict, src: Path) -> tuple[dict, str |
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if get(key) is not None:
                 config[key] = float(get(key))
-    if arch == "gemma3":  # Ollama's files may name the windowed layers and their base
-        pattern = get("attention.sliding_window_pattern")
-        config.update(sliding_window_pattern=6,
-                      rope_local_base_freq=float(get("rope.local.freq_base", 10000.0)))
-        if isinstance(pattern, list):
-            if len(pattern) != n_layers:
-                raise ValueError(f"{src}: {arch}.attention.sliding_window_pattern has "
-                                 f"{len(pattern)} entries for {n_layers} layers")
-            config["layer_types"] = ["sliding_attention" if p else "full_attention"
-                                     for p in pattern]
+    if arch == "gemma3":  # Ollama's files may name the windowed layers' RoPE base
+        config["rope_local_base_freq"] = float(get("rope.local.freq_base", 10000.0))
     special = (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding"))
     for key, name in special:
         value = _field(reader, f"tokenizer.ggml.{name}_token_id")

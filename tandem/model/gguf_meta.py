@@ -11,6 +11,7 @@ sizes come from the gguf package, so new quantization types are covered.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -110,3 +111,26 @@ def read_gguf_header(path: str) -> tuple[dict[str, Any], list[TensorInfo]]:
             block, size = GGML_QUANT_SIZES[ttype]
             tensors.append(TensorInfo(name, shape, ttype.name, n, n // block * size))
     return meta, tensors
+
+
+def window_fields(arch: str, get: Callable[[str], Any], n_layers: int,
+                  src: object) -> dict[str, Any]:
+    """The config.json fields of a GGUF's sliding windows (read by
+    tandem.model.hf_config.sliding_window), from ``get(key)``: the metadata
+    value of ``{arch}.{key}`` (arrays as lists) or None. phi3's window 0 means
+    none; llama's is not read (HF's Llama has none); gemma3's is every 6th
+    layer global unless Ollama's file names the windowed ones."""
+    out: dict[str, Any] = {}
+    window = get("attention.sliding_window")
+    if arch in ("phi3", "gemma2", "gemma3") and window:
+        out["sliding_window"] = int(window)
+    if arch == "gemma3":
+        out["sliding_window_pattern"] = 6
+        pattern = get("attention.sliding_window_pattern")
+        if isinstance(pattern, list):
+            if len(pattern) != n_layers:
+                raise ValueError(f"{src}: {arch}.attention.sliding_window_pattern has "
+                                 f"{len(pattern)} entries for {n_layers} layers")
+            out["layer_types"] = ["sliding_attention" if p else "full_attention"
+                                  for p in pattern]
+    return out

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from tandem.kernels import custom_ops
 from tandem.model.attention import AttentionMetadata, paged_attention
-from tandem.model.hf_config import tie_word_embeddings
+from tandem.model.hf_config import sliding_window, tie_word_embeddings
 from tandem.model.kv_cache import KVCache
 from tandem.model.linear import DenseLinear, Linear
 
@@ -62,7 +62,7 @@ class ModelConfig:
     """The few fields of an HF config.json the model needs.
 
     ``sliding_window``: the window (W keys) of the layers in ``sliding_layers``
-    (see _sliding_window); None when no layer's window hides a key (the layers
+    (see tandem.model.hf_config.sliding_window); None when no layer's window hides a key (the layers
     still rotate by ``local_rope_theta`` where the model has one).
     """
 
@@ -159,9 +159,7 @@ class ModelConfig:
             if (rope_scaling.get("rope_type") or rope_scaling.get("type")) in (None, "default"):
                 rope_scaling = None
             max_pos = int(cfg.get("max_position_embeddings", 4096))
-            window, sliding = _sliding_window(cfg, family)
-            if window is not None and window >= max_pos:  # hides no key of any context
-                window = None
+            window, sliding = sliding_window(cfg, family, max_pos)
             c = cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -195,39 +193,6 @@ class ModelConfig:
             return c
         except (KeyError, TypeError) as e:
             raise ValueError(f"config.json is missing or has a bad field: {e}") from None
-
-
-def _sliding_window(cfg: dict, family: str) -> tuple[int | None, tuple[int, ...]]:
-    """The window HF attends through (W keys: HF keeps key k for query q when
-    q - k < W) and the layers that do, or (None, ()).
-
-    HF's Mistral and Phi-3 window every layer when ``sliding_window`` is set;
-    Qwen2/Qwen3 only with ``use_sliding_window``, and only the layers from
-    ``max_window_layers`` on (``layer_types`` in transformers 5); Gemma the
-    "sliding_attention" ones of ``layer_types``, else all but every
-    ``sliding_window_pattern``-th (Gemma 3's 6; Gemma 2's 2: the even ones);
-    Llama never.
-    """
-    window, n = cfg.get("sliding_window"), int(cfg["num_hidden_layers"])
-    types = cfg.get("layer_types")
-    if types is not None and len(types) != n:
-        raise ValueError(f"config.json: layer_types has {len(types)} entries for {n} layers")
-    if family in ("gemma2", "gemma3"):  # Gemma 3's rotate by their own base, window or not
-        pattern = int(cfg.get("sliding_window_pattern", 6 if family == "gemma3" else 2))
-        layers = tuple(i for i in range(n) if (
-            types[i] == "sliding_attention" if types is not None else (i + 1) % pattern))
-        return (int(window) if window else None), layers
-    if family == "llama" or not window:
-        return None, ()
-    layers: tuple[int, ...] = tuple(range(n))
-    if family in ("qwen2", "qwen3"):
-        if not cfg.get("use_sliding_window"):
-            return None, ()
-        if types is not None:
-            layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-        else:
-            layers = tuple(range(int(cfg.get("max_window_layers", n)), n))
-    return (int(window), layers) if layers else (None, ())
 
 
 def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:

@@ -25,6 +25,7 @@ from tandem.kernels import custom_ops
 from tandem.model import gguf as tg
 from tandem.model.linear import quantize_int8_groups
 from tandem.tokenizer import Tokenizer
+from tandem.tools.plan.presets import load_model
 
 SAMPLES = [
     "Hello world",
@@ -500,6 +501,9 @@ def test_tiny_gemma_gguf_serves_as_hf_computes(tmp_path, arch, ollama):
                                     kv_cache_dtype="fp32", max_num_batched_tokens=16))
     assert engine.model_config.sliding_layers == (
         (0, 1, 2, 3, 4) if arch == "gemma3" and not ollama else (0, 2, 4))
+    # The planner reads the same windows from the file's header.
+    assert load_model(str(src)).layer_windows == tuple(
+        engine.model_config.layer_window(i) for i in range(layers))
     if arch == "gemma2":
         assert (engine.model_config.attn_softcap, engine.model_config.final_softcap) == (5, 3)
     ids = list(range(3, 40))
@@ -524,8 +528,10 @@ def test_gemma3_window_pattern_of_the_wrong_length_is_named(tmp_path):
     for write in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file):
         write()
     w.close()
-    with pytest.raises(ValueError, match="sliding_window_pattern has 3 entries for 2 layers"):
-        tg.gguf_to_hf_dir(src, cache_root=tmp_path / "cache")
+    for read in (lambda: tg.gguf_to_hf_dir(src, cache_root=tmp_path / "cache"),
+                 lambda: load_model(str(src))):  # the server's and the planner's reading
+        with pytest.raises(ValueError, match="sliding_window_pattern has 3 entries for 2 layers"):
+            read()
 
 
 def test_tiny_qwen3_matches_transformers(tmp_path):

@@ -112,10 +112,15 @@ def test_kv_hand_off_needs_one_group(gemma3):
     assert flat.export_kv(list(range(3, 20))).token_ids == []  # nothing cached yet
 
 
-def test_plan_engine_check_counts_every_layer_of_the_pool(gemma3):
+def test_plan_engine_check_counts_the_pool_by_groups(gemma3):
+    from tandem.tools.plan.arithmetic import kv_groups
     from tandem.tools.plan.engine_check import check_engine
+    from tandem.tools.plan.presets import load_model
 
     _, path = gemma3
     chk = check_engine(str(path), kv_cache_memory=2**20, kv_cache_dtype="fp32")
     assert chk.ok and chk.engine_cache_tokens == 2**20 // (3 * 256)
-    assert any("windowed layers keep a request's last 10 keys" in n for n in chk.notes)
+    assert any(n.startswith("3 KV cache groups of 1 layers (the engine's: 3 of 1)")
+               for n in chk.notes)
+    # The planner groups the layers as the engine does, from the same config.json.
+    assert kv_groups(load_model(str(path))) == _engine(path).kv_groups

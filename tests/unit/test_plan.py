@@ -106,6 +106,8 @@ PUBLISHED = {
     "llama-3.1-8b": 8.03e9, "llama-3.1-70b": 70.6e9, "llama-3.2-1b": 1.24e9,
     "llama-3.2-3b": 3.21e9, "mistral-7b": 7.25e9, "qwen3-8b": 8.19e9,
     "qwen2.5-1.5b": 1.54e9, "qwen2.5-7b": 7.62e9, "smollm2-135m": 135e6,
+    # Gemma 3 4B's text model: the 4.30e9 checkpoint less its ~0.42e9 vision tower.
+    "gemma-3-1b": 1.00e9, "gemma-3-4b": 3.88e9,
 }
 
 
@@ -121,6 +123,7 @@ def test_preset_params_exact() -> None:
     assert load_model("qwen3-8b").param_counts().total == 8_190_735_360  # q/k norms
     assert load_model("qwen2.5-1.5b").param_counts().total == 1_543_714_304  # qkv bias, tied
     assert load_model("smollm2-135m").param_counts().total == 134_515_008
+    assert load_model("gemma-3-1b").param_counts().total == 999_885_952  # 4 norms a layer
 
 
 def test_config_json_file_and_directory(tmp_path) -> None:
@@ -265,6 +268,58 @@ def test_scenario_context_does_not_fit() -> None:
     assert f"--context {p.cache_tokens:,}" in text
     over = cap.plan(load_model("smollm2-135m"), DEVICES["cpu-ddr5"], context=32768)
     assert any("trained context" in w for w in over.warnings)
+
+
+def test_windowed_layers_hold_their_window_only() -> None:
+    """Gemma 3 1B: 4 full-attention layers and 22 with a 512-key window, in the
+    engine's 7 KV cache groups of 4 layers; at 32k tokens a conversation holds
+    under a fifth of every layer's KV, and a decode step reads as little."""
+    spec = load_model("gemma-3-1b")
+    assert spec.layer_windows == tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(26))
+    assert spec.attended_keys(32768) == (4 * 32768 + 22 * 512) / 26
+    assert spec.attended_keys(100) == 100 and spec.causal_pairs(100) == 100 * 100 / 2
+    assert spec.causal_pairs(1024) == (4 * 1024**2 / 2 + 22 * (512**2 / 2 + 512 * 512)) / 26
+    groups = ar.kv_groups(spec)
+    assert (groups.group_size, groups.windows) == (4, (0,) + (512,) * 6)
+    p = cap.plan(spec, DEVICES["cpu-ddr5"], context=32768)
+    flat = cap.plan(dataclasses.replace(spec, layer_windows=()), DEVICES["cpu-ddr5"],
+                    context=32768)
+    # Group 0's 2,048 blocks; each windowed group its last 511 keys and a step's chunk.
+    chunk = p.max_num_batched_tokens
+    assert p.kv_blocks_per_conversation == 2048 + 6 * (-(-(511 + chunk) // 16) + 1)
+    assert p.kv_bytes_per_conversation == (
+        p.kv_blocks_per_conversation * 16 * 4 * p.kv_bytes_per_token / 26)
+    assert p.kv_bytes_per_conversation < 0.2 * flat.kv_bytes_per_conversation
+    # A pool block is 4 layers' 16 tokens; in tokens of every layer the pool is the same.
+    assert p.cache_tokens == p.cache_blocks * 16 * 4 // 26
+    assert abs(p.cache_tokens - flat.cache_tokens) <= 16
+    assert p.conversations_fit == p.cache_blocks // p.kv_blocks_per_conversation
+    assert p.conversations_fit >= 5 * flat.conversations_fit
+    assert p.kv_bytes_read_per_token == p.kv_bytes_per_token * spec.attended_keys(32768)
+    assert p.decode_ceiling_with_kv_tok_s > flat.decode_ceiling_with_kv_tok_s
+    assert "7 KV cache groups of 4 layers" in p.formulas["kv_per_conversation"]
+    assert "tokens of every layer" in p.formulas["cache_tokens"]
+    assert p.flags["ollama_reserved_bytes"] < flat.flags["ollama_reserved_bytes"] / 4
+    # A config.json's windows as the model loader reads them; a type without known
+    # window rules plans every layer at full attention.
+    cfg = {k: v for k, v in PRESETS["gemma-3-1b"].items() if not k.startswith("_")}
+    mine = ModelConfig.from_hf({**cfg, "architectures": ["Gemma3ForCausalLM"]})
+    assert spec.layer_windows == tuple(mine.layer_window(i) for i in range(26))
+    assert spec_from_hf_config({**cfg, "model_type": "cohere2"}, "x").layer_windows == ()
+    assert spec_from_hf_config({**cfg, "sliding_window": 32768}, "x").layer_windows == ()
+
+
+def test_longest_context_of_a_hybrid_pool() -> None:
+    """What to cut names the longest context that fits, counted by groups."""
+    p = cap.plan(load_model("gemma-3-4b"), Device("box", "box", "cpu", 24 * GiB, 50e9),
+                 context=131072, streams=8)
+    assert p.conversations_fit < 8
+    text = " ".join(p.warnings)
+    fit = cap._longest_context(p, 8)
+    assert f"--context {fit:,} fits 8 slots" in text
+    blocks_for = ar.kv_groups(p.model).blocks_for
+    assert 8 * blocks_for(fit, 16, p.max_num_batched_tokens) <= p.cache_blocks
+    assert 8 * blocks_for(fit + 16, 16, p.max_num_batched_tokens) > p.cache_blocks
 
 
 def test_kv8_flags_and_compute_bound() -> None:

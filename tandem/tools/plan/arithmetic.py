@@ -29,11 +29,16 @@ with the numbers filled in and checked by hand. Stated assumptions:
   GPUs default to utilization 0.92 and no reserve (vLLM's default); CPUs to
   all of memory minus a 2 GiB reserve for the OS, Python, torch and the server.
 * Cache is allocated in blocks of 16 tokens (tandem's default), and a
-  full-context conversation holds ceil(context / 16) blocks.
+  full-context conversation holds ceil(context / 16) blocks. A model that
+  mixes full-attention and sliding-window layers (Gemma 2/3) splits them into
+  the engine's KV cache groups (tandem.core.kv_cache_manager.group_layers): a
+  block is 16 tokens of one group's layers, and a windowed group holds only
+  its window and one step's chunk (``KVCacheGroups.blocks_for``), as
+  tandem's, vLLM's and llama.cpp's caches do.
 * A decode step reads the weights once for the whole batch and each
   sequence's KV; it takes max(bytes / bandwidth, FLOPs / (50% of peak)). KV
   reads are counted at the full context (the end of a conversation: the
-  conservative case).
+  conservative case), a windowed layer's at its window.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from dataclasses import dataclass
 
 from tandem.config import EngineConfig, resolve_kv_cache_dtype
 from tandem.config import resolve_dtype as resolve_engine_dtype
+from tandem.core.kv_cache_manager import KVCacheGroups, group_layers
 from tandem.tools.plan.devices import GiB
 from tandem.tools.plan.presets import ModelSpec
 
@@ -174,16 +180,24 @@ def activation_bytes(spec: ModelSpec, batched_tokens: int, act_bytes: int, logit
     return batched_tokens * per_token * act_bytes + logit_rows * spec.vocab_size * 4
 
 
-def cache_blocks(cache_bytes: float, kv_per_token: float, block_size: int = BLOCK_SIZE) -> int:
-    """Whole blocks of ``block_size`` tokens that fit in ``cache_bytes`` (0 if negative)."""
+def kv_groups(spec: ModelSpec) -> KVCacheGroups:
+    """The engine's KV cache groups for this model (one of every layer unless it
+    mixes full-attention and windowed layers)."""
+    return group_layers(spec.layer_windows or (0,) * spec.num_layers)
+
+
+def cache_blocks(
+    cache_bytes: float, kv_per_token: float, block_size: int = BLOCK_SIZE,
+    groups: KVCacheGroups | None = None, num_layers: int = 1,
+) -> tuple[int, int]:
+    """(whole blocks, tokens of every layer) that fit in ``cache_bytes`` (0 if
+    negative). With ``groups``, a block holds one group's ``group_size`` of the
+    ``num_layers`` layers, as the engine's pool does."""
+    size, layers = (1, 1) if groups is None else (groups.group_size, num_layers)
     if cache_bytes <= 0:
-        return 0
-    return int(cache_bytes // (kv_per_token * block_size))
-
-
-def conversations_fit(blocks: int, context: int, block_size: int = BLOCK_SIZE) -> int:
-    """Full-context conversations the block pool holds at once."""
-    return blocks // math.ceil(context / block_size)
+        return 0, 0
+    blocks = int(cache_bytes // (kv_per_token * size / layers * block_size))
+    return blocks, blocks * block_size * size // layers
 
 
 def decode_ceiling(bandwidth_bytes_s: float, bytes_per_token: float) -> float:
@@ -217,16 +231,18 @@ def recommend_max_num_seqs(
 
 
 def decode_flops_per_token(spec: ModelSpec, context: int) -> float:
-    """2 x matmul weights + attention over ``context`` keys (QK and PV)."""
+    """2 x matmul weights + attention over ``context`` keys (QK and PV; a
+    windowed layer's over its window)."""
     matmul = sum(x.params for x in spec.linears())
-    attention = 4 * spec.num_layers * spec.num_heads * spec.head_dim * context
+    attention = 4 * spec.num_layers * spec.num_heads * spec.head_dim * spec.attended_keys(context)
     return 2 * matmul + attention
 
 
 def prefill_flops(spec: ModelSpec, prompt_tokens: int) -> float:
     """A prompt's prefill: matmuls for every token plus causal attention (~C^2)."""
     matmul = sum(x.params for x in spec.linears())
-    attention = 2 * spec.num_layers * spec.num_heads * spec.head_dim * prompt_tokens**2
+    attention = 4 * spec.num_layers * spec.num_heads * spec.head_dim * spec.causal_pairs(
+        prompt_tokens)
     return 2 * matmul * prompt_tokens + attention
 
 
@@ -234,13 +250,14 @@ def decode_step(
     batch: int,
     weights_read: float,
     kv_per_token: float,
-    context: int,
+    kv_tokens: float,
     bandwidth: float,
     flops_per_token: float,
     peak_flops: float | None,
 ) -> tuple[float, str]:
-    """(seconds, "memory"|"compute") for one decode step of ``batch`` sequences."""
-    mem = (weights_read + batch * kv_per_token * context) / bandwidth
+    """(seconds, "memory"|"compute") for one decode step of ``batch`` sequences,
+    each reading ``kv_tokens`` tokens of KV (ModelSpec.attended_keys)."""
+    mem = (weights_read + batch * kv_per_token * kv_tokens) / bandwidth
     if peak_flops is None:
         return mem, "memory"
     comp = batch * flops_per_token / (COMPUTE_EFFICIENCY * peak_flops)

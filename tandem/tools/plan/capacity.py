@@ -5,6 +5,8 @@ filled in, the flags for four engines, and the warnings with what to cut.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -21,7 +23,6 @@ from tandem.tools.plan.arithmetic import (
     activation_bytes,
     cache_blocks,
     choose_batched_tokens,
-    conversations_fit,
     decode_ceiling,
     decode_flops_per_token,
     decode_step,
@@ -30,6 +31,7 @@ from tandem.tools.plan.arithmetic import (
     in_flight,
     kv_bytes_per_token,
     kv_element_bytes,
+    kv_groups,
     prefill_flops,
     recommend_max_num_seqs,
     resolve_dtype,
@@ -70,6 +72,8 @@ class Plan:
     kv_element_bytes: float
     kv_bytes_per_token: float
     kv_bytes_per_conversation: float
+    kv_blocks_per_conversation: int
+    kv_bytes_read_per_token: float  # the KV a decode step reads per sequence at full context
     activation_bytes: int
     memory_budget_bytes: float
     cache_bytes: float
@@ -179,7 +183,7 @@ def plan(
     w = weight_bytes(spec, wdtype)
     elem = kv_element_bytes(kvdtype, spec.head_dim)
     kv_tok = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, elem)
-    kv_conv = kv_tok * context
+    attended = spec.attended_keys(context)  # keys a decode step reads per layer at the end
 
     # Workload.
     if streams is not None:
@@ -194,7 +198,8 @@ def plan(
     fpt_half = decode_flops_per_token(spec, context // 2)
     eff_flops = COMPUTE_EFFICIENCY * device.peak_flops if device.peak_flops else None
     step1, _ = decode_step(
-        1, w.read_per_token, kv_tok, context, device.bandwidth_bytes_s, fpt_half, device.peak_flops
+        1, w.read_per_token, kv_tok, attended, device.bandwidth_bytes_s, fpt_half,
+        device.peak_flops,
     )
     batched = choose_batched_tokens(eff_flops, fpt_half, step1, device.kind)
 
@@ -203,9 +208,13 @@ def plan(
     act = activation_bytes(spec, batched, act_b, min(batched, 256))
     budget = device.memory_bytes * util - reserve
     cache = budget - w.total - act
-    blocks = cache_blocks(cache, kv_tok, block_size)
-    tokens = blocks * block_size
-    fits_n = conversations_fit(blocks, context, block_size)
+    groups = kv_groups(spec)
+    blocks, tokens = cache_blocks(cache, kv_tok, block_size, groups, spec.num_layers)
+    # A windowed group holds its window and the chunk one step computes.
+    held = groups.blocks_for(context, block_size, batched)
+    fits_n = blocks // held
+    kv_conv = (held * block_size * kv_tok * groups.group_size / spec.num_layers
+               if groups.hybrid else kv_tok * context)
 
     wanted, rec = recommend_max_num_seqs(load, fits_n, bursty=bursty, users=users)
     max_queue = max(1, rec)
@@ -213,11 +222,11 @@ def plan(
 
     # Speed.
     ceiling = decode_ceiling(device.bandwidth_bytes_s, w.read_per_token)
-    ceiling_kv = decode_ceiling(device.bandwidth_bytes_s, w.read_per_token + kv_conv)
+    ceiling_kv = decode_ceiling(device.bandwidth_bytes_s, w.read_per_token + kv_tok * attended)
     fpt = decode_flops_per_token(spec, context)
     batch = max(1, rec)
     step, bound = decode_step(
-        batch, w.read_per_token, kv_tok, context, device.bandwidth_bytes_s, fpt, device.peak_flops
+        batch, w.read_per_token, kv_tok, attended, device.bandwidth_bytes_s, fpt, device.peak_flops
     )
     prefill_rate = ttft = stall = None
     if eff_flops:
@@ -244,6 +253,8 @@ def plan(
         kv_element_bytes=elem,
         kv_bytes_per_token=kv_tok,
         kv_bytes_per_conversation=kv_conv,
+        kv_blocks_per_conversation=held,
+        kv_bytes_read_per_token=kv_tok * attended,
         activation_bytes=act,
         memory_budget_bytes=budget,
         cache_bytes=max(0.0, cache),
@@ -303,21 +314,43 @@ def _formulas(p: Plan) -> None:
         f"{p.kv_element_bytes:g} B ({p.kv_cache_dtype}) = {p.kv_bytes_per_token:,.0f} B "
         f"({p.kv_bytes_per_token / 1024:,.1f} KiB)"
     )
-    f["kv_per_conversation"] = (
-        f"{p.kv_bytes_per_token:,.0f} B x {p.context:,} tokens = {gb(p.kv_bytes_per_conversation)}"
-    )
+    groups = kv_groups(s)
+    layer_tok = p.kv_bytes_per_token / s.num_layers
+    if groups.hybrid:
+        windowed = sum(1 for w in s.layer_windows if w)
+        f["kv_per_conversation"] = (
+            f"{s.num_layers - windowed} full-attention layers x {p.context:,} tokens + "
+            f"{windowed} windowed layers x their last {max(s.layer_windows):,} keys and one "
+            f"{p.max_num_batched_tokens:,}-token step, in {len(groups.windows)} KV cache groups "
+            f"of {groups.group_size} layers: {p.kv_blocks_per_conversation:,} blocks x "
+            f"{p.block_size} tokens x {groups.group_size} layers x {layer_tok:,.0f} B = "
+            f"{gb(p.kv_bytes_per_conversation)} (every layer's: "
+            f"{gb(p.kv_bytes_per_token * p.context)})"
+        )
+    else:
+        f["kv_per_conversation"] = (
+            f"{p.kv_bytes_per_token:,.0f} B x {p.context:,} tokens = "
+            f"{gb(p.kv_bytes_per_conversation)}"
+        )
     reserve = f" - {gb(p.reserve_bytes)} reserve" if p.reserve_bytes else ""
     f["cache_bytes"] = (
         f"{gb(d.memory_bytes)} x {p.gpu_memory_utilization:g}{reserve} - {gb(p.weight_bytes)} "
         f"weights - {gb(p.activation_bytes)} activations = "
         f"{gb(p.memory_budget_bytes - p.weight_bytes - p.activation_bytes)}"
     )
-    f["cache_tokens"] = (
-        f"{gb(p.cache_bytes)} / {p.kv_bytes_per_token:,.0f} B per token -> {p.cache_blocks:,} "
-        f"blocks x {p.block_size} = {p.cache_tokens:,} tokens"
-    )
+    if groups.hybrid:
+        f["cache_tokens"] = (
+            f"{gb(p.cache_bytes)} / ({layer_tok:,.0f} B x {groups.group_size} layers x "
+            f"{p.block_size} tokens) -> {p.cache_blocks:,} blocks = {p.cache_tokens:,} tokens "
+            "of every layer"
+        )
+    else:
+        f["cache_tokens"] = (
+            f"{gb(p.cache_bytes)} / {p.kv_bytes_per_token:,.0f} B per token -> "
+            f"{p.cache_blocks:,} blocks x {p.block_size} = {p.cache_tokens:,} tokens"
+        )
     f["conversations_fit"] = (
-        f"{p.cache_blocks:,} blocks / {math.ceil(p.context / p.block_size):,} blocks per "
+        f"{p.cache_blocks:,} blocks / {p.kv_blocks_per_conversation:,} blocks per "
         f"{p.context:,}-token conversation = {p.conversations_fit}"
     )
     bw = d.bandwidth_bytes_s / GB
@@ -327,7 +360,7 @@ def _formulas(p: Plan) -> None:
     )
     f["decode_ceiling_with_kv"] = (
         f"{bw:,.0f} GB/s / ({gb(p.weight_bytes_read_per_token)} + "
-        f"{gb(p.kv_bytes_per_conversation)} KV at {p.context:,} tokens) = "
+        f"{gb(p.kv_bytes_read_per_token)} KV read at {p.context:,} tokens) = "
         f"{p.decode_ceiling_with_kv_tok_s:,.1f} tok/s"
     )
     if p.streams is not None:
@@ -353,7 +386,7 @@ def _formulas(p: Plan) -> None:
     b = max(1, p.max_num_seqs)
     f["aggregate_decode"] = (
         f"step = max(({gb(p.weight_bytes_read_per_token)} + {b} x "
-        f"{gb(p.kv_bytes_per_conversation)} KV) / {bw:,.0f} GB/s, {b} x "
+        f"{gb(p.kv_bytes_read_per_token)} KV) / {bw:,.0f} GB/s, {b} x "
         f"{decode_flops_per_token(s, p.context) / 1e9:,.1f} GFLOP / "
         + (
             f"({COMPUTE_EFFICIENCY:g} x {d.peak_flops / 1e12:,.1f} TFLOP/s))"
@@ -419,7 +452,8 @@ def _flags(p: Plan) -> None:
         "llama_server": llama,
         "ollama": ollama,
         "ollama_reserved_tokens": n * c,
-        "ollama_reserved_bytes": n * c * p.kv_bytes_per_token,
+        # llama.cpp's cache keeps a windowed layer's window per slot.
+        "ollama_reserved_bytes": n * p.model.attended_keys(c) * p.kv_bytes_per_token,
         "max_queue_reason": (
             f"{p.max_queue} waiting requests drain through {n} slots in about one reply's time"
             + (f" (~{p.gen_seconds:g} s)" if p.gen_seconds else "")
@@ -468,7 +502,7 @@ def _warnings(p: Plan, *, explore: bool) -> None:
             "crawl at the speed of the slower memory"
         )
     elif p.conversations_fit < 1:
-        most = p.cache_blocks * p.block_size
+        most = _longest_context(p, 1)
         w.append(
             f"one {p.context:,}-token conversation needs {gb(p.kv_bytes_per_conversation)} of "
             f"KV cache but only {gb(p.cache_bytes)} is left after the weights: a long "
@@ -490,7 +524,7 @@ def _warnings(p: Plan, *, explore: bool) -> None:
         else:
             msg += " for bursts: those queue briefly; the average load fits"
         w.append(msg)
-        fit_ctx = (p.cache_blocks // p.wanted_max_num_seqs) * p.block_size
+        fit_ctx = _longest_context(p, p.wanted_max_num_seqs)
         if fit_ctx >= p.block_size:
             cuts.append(f"--context {fit_ctx:,} fits {p.wanted_max_num_seqs} slots")
     if explore and (not weights_fit or p.max_num_seqs < p.wanted_max_num_seqs):
@@ -533,6 +567,16 @@ def _warnings(p: Plan, *, explore: bool) -> None:
         "Ollama reserves OLLAMA_NUM_PARALLEL x OLLAMA_CONTEXT_LENGTH tokens of KV at load; "
         "raising either past what fits makes it offload layers to the CPU"
     )
+
+
+def _longest_context(p: Plan, slots: int) -> int:
+    """The longest context of which ``slots`` conversations fit the pool, in
+    whole blocks (0 when none does)."""
+    blocks_for = functools.partial(kv_groups(p.model).blocks_for, block_size=p.block_size,
+                                   chunk=p.max_num_batched_tokens)
+    tokens = bisect.bisect_right(range(p.cache_blocks * p.block_size + 1), p.cache_blocks // slots,
+                                 key=blocks_for) - 1
+    return tokens // p.block_size * p.block_size
 
 
 def _explore(p: Plan) -> list[str]:

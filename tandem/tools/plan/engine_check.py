@@ -186,11 +186,13 @@ def compare(
     w = ar.weight_bytes(spec, wdtype)
     engine_tokens = engine.kv_pool_tokens
     notes: list[str] = []
-    if engine.kv_groups.hybrid:
+    groups = ar.kv_groups(spec)
+    if groups.hybrid:
         notes.append(
-            f"the engine's pool holds {engine_tokens:,} tokens of every layer; its windowed "
-            f"layers keep a request's last {max(engine.kv_groups.windows):,} keys only, so a "
-            "request longer than that takes less of the pool than the plan counts")
+            f"{len(groups.windows)} KV cache groups of {groups.group_size} layers (the "
+            f"engine's: {len(engine.kv_groups.windows)} of {engine.kv_groups.group_size}): "
+            "a block is one group's layers, and the windowed groups hold a request's last "
+            f"{max(groups.windows):,} keys only; tokens below count every layer")
     if engine.device.type == "cuda" and kv_cache_memory is None:
         total = torch.cuda.mem_get_info()[1]
         gpu = Device("cuda", torch.cuda.get_device_name(), "gpu", int(total), 1e12)
@@ -207,7 +209,7 @@ def compare(
         )
     else:
         budget = int(kv_cache_memory if kv_cache_memory is not None else DEFAULT_CPU_KV_BYTES)
-        planned_tokens = ar.cache_blocks(budget, kv_tok, c.block_size) * c.block_size
+        planned_tokens = ar.cache_blocks(budget, kv_tok, c.block_size, groups, spec.num_layers)[1]
         source = (
             "--kv-cache-memory" if kv_cache_memory is not None else "tandem's CPU default"
         ) + " (the engine's pool is exactly this many bytes)"

@@ -19,12 +19,44 @@ import struct
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tandem.model.gguf_meta import ArrayLen, read_gguf_header
-from tandem.model.hf_config import tie_word_embeddings
+from tandem.model.gguf_meta import ArrayLen, read_gguf_header, window_fields
+from tandem.model.hf_config import sliding_window, tie_word_embeddings
 
 # config.json numbers as published on the Hugging Face Hub (the fields the
 # planner reads, plus torch_dtype for --dtype auto).
 PRESETS: dict[str, dict[str, Any]] = {
+    "gemma-3-1b": {
+        "_source": "google/gemma-3-1b-it",
+        "model_type": "gemma3_text",
+        "hidden_size": 1152,
+        "intermediate_size": 6912,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "vocab_size": 262144,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 32768,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+        "torch_dtype": "bfloat16",
+    },
+    "gemma-3-4b": {  # the text model; the checkpoint's vision tower is not served
+        "_source": "google/gemma-3-4b-it",
+        "model_type": "gemma3_text",
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 34,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "vocab_size": 262208,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 131072,
+        "sliding_window": 1024,
+        "sliding_window_pattern": 6,
+        "torch_dtype": "bfloat16",
+    },
     "llama-3.1-8b": {
         "_source": "meta-llama/Llama-3.1-8B-Instruct",
         "model_type": "llama",
@@ -155,6 +187,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 _TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "half": "fp16"}
+_SANDWICH_NORMS = ("gemma2", "gemma3", "gemma3_text")  # RMSNorm on each block's output too
+# HF model_type (a GGUF's general.architecture) -> the family whose sliding-window
+# rules tandem.model.hf_config.sliding_window knows; other types plan every layer
+# at full attention.
+_WINDOW_FAMILIES = {"gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3",
+                    "mistral": "mistral", "phi3": "phi3", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 @dataclass(frozen=True)
@@ -214,6 +252,8 @@ class ModelSpec:
     file_embedding_bytes: int | None = None
     file_params: int | None = None
     file_type: str | None = None
+    # Each layer's sliding window in keys (0: full attention); () when none is.
+    layer_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in (
@@ -228,6 +268,26 @@ class ModelSpec:
                 f"model {self.name}: {self.num_heads} attention heads is not a multiple "
                 f"of {self.num_kv_heads} KV heads"
             )
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"model {self.name}: {len(self.layer_windows)} layer windows "
+                             f"for {self.num_layers} layers")
+
+    def attended_keys(self, context: int) -> float:
+        """Keys a query at position ``context`` attends to, averaged over the
+        layers: a windowed layer sees its window's only."""
+        if not self.layer_windows:
+            return float(context)
+        return sum(min(context, w or context) for w in self.layer_windows) / self.num_layers
+
+    def causal_pairs(self, prompt: int) -> float:
+        """(query, key) pairs of a causal prefill of ``prompt`` tokens, averaged
+        over the layers: ~prompt^2 / 2, each windowed layer's capped at W per query."""
+        def pairs(w: int) -> float:
+            if not w or prompt <= w:
+                return prompt * prompt / 2
+            return w * w / 2 + (prompt - w) * w
+        windows = self.layer_windows or (0,)
+        return sum(map(pairs, windows)) / len(windows)
 
     def linears(self) -> list[Linear]:
         """Every matmul weight, the LM head included even when tied (it is read)."""
@@ -254,7 +314,9 @@ class ModelSpec:
         return {
             "attention": L * (attn_bias + qk_norm),
             "mlp": L * mlp_bias,
-            "norms": L * 2 * h + h,  # input + post-attention norm per layer, final norm
+            # input + post-attention norm per layer (Gemma: also on both blocks' outputs),
+            # the final norm
+            "norms": L * (4 if self.model_type in _SANDWICH_NORMS else 2) * h + h,
         }
 
     def param_counts(self) -> ParamCounts:
@@ -274,6 +336,17 @@ class ModelSpec:
         d = asdict(self)
         d["params"] = self.param_counts().to_dict()
         return d
+
+
+def _layer_windows(cfg: dict[str, Any], model_type: str,
+                   max_positions: int | None) -> tuple[int, ...]:
+    """ModelSpec.layer_windows of a config.json-shaped ``cfg``, as the model loader
+    reads them; () for a type of no known window rules."""
+    family = _WINDOW_FAMILIES.get(model_type)
+    window, sliding = sliding_window(cfg, family, max_positions) if family else (None, ())
+    if not window:
+        return ()
+    return tuple(window if i in sliding else 0 for i in range(int(cfg["num_hidden_layers"])))
 
 
 def _first(cfg: dict[str, Any], *keys: str) -> Any:
@@ -319,6 +392,8 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str, source: str = "config.js
     if tie is None:
         tie = tie_word_embeddings(cfg)
     qkv_bias = bool(cfg.get("attention_bias", False)) or model_type == "qwen2"
+    windows = _layer_windows({**cfg, "num_hidden_layers": int(layers)}, model_type,
+                             cfg.get("max_position_embeddings"))
     dtype = _TORCH_DTYPES.get(str(_first(cfg, "torch_dtype", "dtype")), "bf16")
     quant = cfg.get("quantization_config")
     if isinstance(quant, dict):
@@ -346,6 +421,7 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str, source: str = "config.js
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=model_type in ("qwen3", "olmo2", "gemma3", "gemma3_text"),
         default_dtype=dtype,
+        layer_windows=windows,
     )
 
 
@@ -394,6 +470,10 @@ def spec_from_gguf(path: str) -> ModelSpec:
     if vocab is None or inter is None:
         raise ValueError(f"{path}: GGUF has no vocabulary size or feed-forward length")
     embd = tensors.get("token_embd.weight")
+    windows = _layer_windows(
+        {"num_hidden_layers": int(layers),
+         **window_fields(str(arch), lambda k: meta.get(f"{arch}.{k}"), int(layers), path)},
+        str(arch), key("context_length"))
     by_type: dict[str, int] = {}
     for t in tensor_list:
         by_type[t.type_name] = by_type.get(t.type_name, 0) + t.n_bytes
@@ -420,6 +500,7 @@ def spec_from_gguf(path: str) -> ModelSpec:
         file_params=sum(t.n_elements for t in tensor_list),
         # The type holding the most bytes (e.g. Q4_1): what the file "is".
         file_type=max(by_type, key=lambda k: by_type[k]) if by_type else "unknown",
+        layer_windows=windows,
     )
 
 
