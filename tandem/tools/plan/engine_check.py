@@ -192,7 +192,7 @@ def compare(
             f"{len(groups.windows)} KV cache groups of {groups.group_size} layers (the "
             f"engine's: {len(engine.kv_groups.windows)} of {engine.kv_groups.group_size}): "
             "a block is one group's layers, and the windowed groups hold a request's last "
-            f"{max(groups.windows):,} keys only; tokens below count every layer")
+            f"{max(groups.windows):,} keys only; the cache tokens count every layer")
     if engine.device.type == "cuda" and kv_cache_memory is None:
         total = torch.cuda.mem_get_info()[1]
         gpu = Device("cuda", torch.cuda.get_device_name(), "gpu", int(total), 1e12)
