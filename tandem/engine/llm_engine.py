@@ -13,7 +13,7 @@ import bisect
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,12 +41,59 @@ KV_COMMIT_HEADROOM = 2**30  # bytes of memory the KV pool's commit leaves free
 # CPU token budgets (LLMEngine._cpu_token_budgets): a prompt chunk adds at most
 # ITL_BOUND - 1 single-stream steps to a step with decodes; a prompt-only step
 # reads the weights for at most 1 / PREFILL_READ_SHARE of its time. Measured
-# with a prompt of CPU_BUDGET_PROBE_TOKENS, kept within CPU_BUDGET_RANGE.
+# with prompts of 1 and CPU_BUDGET_PROBE_TOKENS in turn, CPU_BUDGET_PROBE_ROUNDS
+# times; kept within CPU_BUDGET_RANGE.
 ITL_BOUND = 3
 PREFILL_READ_SHARE = 8
 CPU_BUDGET_PROBE_TOKENS = 32
+CPU_BUDGET_PROBE_ROUNDS = 4
 CPU_BUDGET_RANGE = (16, 2048)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cpu_token_budgets(cost: Callable[[int], float],
+                      max_num_seqs: int) -> tuple[int, int, float, float]:
+    """(max_num_batched_tokens, prompt tokens per step with decodes, t1, c)
+    from ``cost(n)``: the seconds one n-token forward takes.
+
+    A step costs about t1 (one token: reading the weights) plus c per further
+    token (compute). A prompt chunk delays every decoding stream by its cost,
+    so in steps with decodes prompts get (ITL_BOUND - 1) t1 / c tokens: a step
+    costs at most the decodes plus ITL_BOUND - 1 single-stream steps. Steps
+    with only prompts delay nobody; their budget makes reading the weights at
+    most 1 / PREFILL_READ_SHARE of the step, and the total leaves room for
+    every sequence to decode beside a capped chunk. A fixed 128 tuned on a
+    135M model made a 1.2B model's chunk stall every stream ~1 s.
+
+    A neighbour's burst during the probes skews them: 1-token probes slowed
+    while a longer one ran quiet once read c as ~0 and gave a 2,048-token chunk
+    that stalled every stream 16 s. So the two sizes alternate (each keeps its
+    quickest run), a longer probe is never taken as quicker than a 1-token one,
+    and the chunk found is run once: costing more than half again its bound,
+    its own time gives c.
+    """
+    probe = CPU_BUDGET_PROBE_TOKENS
+    # First calls (thread team, allocator, weights' first touch) are not the model's cost.
+    cost(1), cost(probe)
+    t1 = tp = float("inf")
+    for _ in range(CPU_BUDGET_PROBE_ROUNDS):
+        t1, tp = min(t1, cost(1)), min(tp, cost(probe))
+    t1 = min(t1, tp)
+    lo, hi = CPU_BUDGET_RANGE
+
+    def chunk(per_token: float) -> int:
+        return min(max(int((ITL_BOUND - 1) * t1 / max(per_token, 1e-9)), lo), hi)
+
+    per_token = (tp - t1) / (probe - 1)
+    with_decodes = chunk(per_token)
+    if with_decodes > probe:
+        extra = cost(with_decodes) - t1
+        if extra > 1.5 * (ITL_BOUND - 1) * t1:
+            per_token = extra / (with_decodes - 1)
+            with_decodes = chunk(per_token)
+    prompt_only = int(1 + PREFILL_READ_SHARE * t1 / max(per_token, 1e-9))
+    total = min(max(prompt_only, max_num_seqs + with_decodes), hi)
+    return total, with_decodes, t1, per_token
 
 
 def _resolve_device(config: EngineConfig) -> torch.device:
@@ -195,34 +242,13 @@ class LLMEngine:
 
     def _cpu_token_budgets(self) -> tuple[int, int]:
         """(max_num_batched_tokens, prompt tokens per step with decodes) from
-        this model's measured cost on this CPU.
+        this model's measured cost on this CPU (cpu_token_budgets)."""
+        def cost(n: int) -> float:
+            t0 = time.perf_counter()
+            self.score_tokens([0] * n, 1)
+            return time.perf_counter() - t0
 
-        A step costs about t1 (one token: reading the weights) plus c per
-        further token (compute). A prompt chunk delays every decoding stream by
-        its cost, so in steps with decodes prompts get (ITL_BOUND - 1) t1 / c
-        tokens: a step costs at most the decodes plus ITL_BOUND - 1 single-
-        stream steps. Steps with only prompts delay nobody; their budget makes
-        reading the weights at most 1 / PREFILL_READ_SHARE of the step, and the
-        total leaves room for every sequence to decode beside a capped chunk.
-        A fixed 128 tuned on a 135M model made a 1.2B model's chunk stall every
-        stream ~1 s.
-        """
-        def cost(n: int, runs: int) -> float:
-            best = float("inf")
-            for _ in range(runs):
-                t0 = time.perf_counter()
-                self.score_tokens([0] * n, 1)
-                best = min(best, time.perf_counter() - t0)
-            return best
-
-        # First calls (thread team, allocator, weights' first touch) are not the model's cost.
-        cost(1, 2), cost(CPU_BUDGET_PROBE_TOKENS, 1)
-        t1, tp = cost(1, 3), cost(CPU_BUDGET_PROBE_TOKENS, 2)
-        per_token = max((tp - t1) / (CPU_BUDGET_PROBE_TOKENS - 1), 1e-9)
-        lo, hi = CPU_BUDGET_RANGE
-        with_decodes = min(max(int((ITL_BOUND - 1) * t1 / per_token), lo), hi)
-        prompt_only = int(1 + PREFILL_READ_SHARE * t1 / per_token)
-        total = min(max(prompt_only, self.config.max_num_seqs + with_decodes), hi)
+        total, with_decodes, t1, per_token = cpu_token_budgets(cost, self.config.max_num_seqs)
         logger.info("token budget %d per step, %d prompt tokens in steps with decodes: a "
                     "1-token step costs %.1f ms, each further token %.2f ms", total,
                     with_decodes, t1 * 1e3, per_token * 1e3)
