@@ -108,7 +108,9 @@ class StructuredOutputManager:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int,
                  eos_token_ids: Collection[int]) -> None:
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
+        # llguidance needs a place for every token the tokenizer has; one past the
+        # model's rows is never sampled (masks are cut to the logits' width).
+        self.vocab_size = max(vocab_size, tokenizer.vocab_size)
         self.eos_token_ids = sorted(eos_token_ids)
         self._lock = threading.Lock()
         self._ll_tokenizer = None

@@ -492,6 +492,9 @@ def test_tiny_gemma_gguf_serves_as_hf_computes(tmp_path, arch, ollama):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == [f"{arch.title()}ForCausalLM"]
     assert cfg["sliding_window"] == window
+    # The file's byte-level BPE, not Gemma's sentencepiece rules, and no token past it.
+    tok = Tokenizer.from_dir(out)
+    assert tok.encode(" the the") == [258, 258] and tok.vocab_size == vocab
     mine = load_file(str(out / "model.safetensors"))
     assert set(mine) == set(ref) - {"lm_head.weight"}
     for n, t in mine.items():  # norms: (w + 1) - 1, a rounding off w
@@ -512,6 +515,49 @@ def test_tiny_gemma_gguf_serves_as_hf_computes(tmp_path, arch, ollama):
     for path in CPU_PATHS:
         with cpu_path(engine, path):
             torch.testing.assert_close(engine.score_tokens(ids), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch, specials", [
+    ("gemma3", ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]),
+    ("llama", ["<unk>", "<s>", "</s>"]),
+])
+def test_a_sentencepiece_vocabulary_encodes_as_transformers_class(tmp_path, arch, specials):
+    """A sentencepiece GGUF (Gemma's, Llama 2's and Mistral's) loads as the fast
+    tokenizer its conversion wrote, and encodes as transformers' own class for the
+    architecture does: BOS, byte fallback, runs of spaces, specials."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    src = tmp_path / f"{arch}-spm.gguf"
+    w = gguf.GGUFWriter(str(src), arch)
+    pieces = ["\u2581", "\u2581the", "\u2581Hello", "\u2581world", ",", "?", "  ",
+              "<start_of_turn>", "<end_of_turn>"] + list("Helowrdthayu")
+    n = len(specials) + 256
+    tokens = specials + [f"<0x{i:02X}>" for i in range(256)] + pieces
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * n + [-float(i) for i in range(len(pieces))])
+    w.add_token_types([3] * len(specials) + [6] * 256 + [1] * 7 + [3, 3] + [1] * 12)
+    bos, eos = (2, 1) if arch == "gemma3" else (1, 2)
+    for add, value in ((w.add_bos_token_id, bos), (w.add_eos_token_id, eos),
+                       (w.add_unk_token_id, specials.index("<unk>")), (w.add_block_count, 1),
+                       (w.add_embedding_length, 16), (w.add_feed_forward_length, 32),
+                       (w.add_head_count, 1)):
+        add(value)
+    w.add_tensor("token_embd.weight", np.ones((len(tokens), 16), np.float32))
+    for write in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file):
+        write()
+    w.close()
+    tg._write_tokenizer(src, tmp_path / "tok")  # the tokenizer files of gguf_to_hf_dir
+    tok = Tokenizer.from_dir(tmp_path / "tok")
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=src.name)
+    assert tok.vocab_size == len(ref) == len(tokens)
+    for text in ("Hello world, how are you?", "  the  Hello\n", "h\u00e9llo <start_of_turn>the",
+                 ""):
+        ids = tok.encode(text)
+        assert ids == ref.encode(text) and ids[:1] == [bos], text
+        assert tok.decode(ids, skip_special_tokens=False) == ref.decode(
+            ids, skip_special_tokens=False)
 
 
 def test_gemma3_window_pattern_of_the_wrong_length_is_named(tmp_path):
