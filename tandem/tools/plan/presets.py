@@ -230,7 +230,7 @@ class ModelSpec:
     """The shape of a decoder-only transformer, as far as capacity depends on it."""
 
     name: str
-    source: str  # "preset", "config.json", "gguf"
+    source: str  # "preset (Hub id)", "config.json (path)", "gguf (path)"
     num_layers: int
     hidden_size: int
     intermediate_size: int
@@ -479,7 +479,7 @@ def spec_from_gguf(path: str) -> ModelSpec:
         by_type[t.type_name] = by_type.get(t.type_name, 0) + t.n_bytes
     return ModelSpec(
         name=os.path.basename(path),
-        source="gguf",
+        source=f"gguf ({path})",
         num_layers=int(layers),
         hidden_size=int(hidden),
         intermediate_size=int(inter),

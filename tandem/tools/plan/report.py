@@ -13,10 +13,20 @@ LABEL = 20
 
 
 def _line(label: str, text: str) -> str:
-    body = textwrap.wrap(text, WIDTH - LABEL - 2, break_on_hyphens=False) or [""]
+    body = textwrap.wrap(text, WIDTH - LABEL - 2, break_long_words=False,
+                         break_on_hyphens=False) or [""]
     first = f"  {label:<{LABEL}}{body[0]}"
     rest = [" " * (LABEL + 2) + b for b in body[1:]]
     return "\n".join([first, *rest])
+
+
+def _command(label: str, cmd: str) -> str:
+    """A command line wrapped between its words with shell continuations, so it
+    still runs when pasted (a path is never split)."""
+    body = textwrap.wrap(cmd, WIDTH - LABEL - 4, break_long_words=False,
+                         break_on_hyphens=False)
+    lines = [f"{b} \\" for b in body[:-1]] + body[-1:]
+    return "\n".join([f"  {label:<{LABEL}}{lines[0]}", *(" " * (LABEL + 2) + x for x in lines[1:])])
 
 
 def _bullets(mark: str, items: list[str]) -> list[str]:
@@ -30,13 +40,14 @@ def _bullets(mark: str, items: list[str]) -> list[str]:
 
 
 def _model_ref(p: Plan) -> tuple[str, str, str]:
-    """What to write for the model in each server's command line."""
-    s = p.model
-    src = s.source
-    hf = src[src.find("(") + 1 : -1] if src.startswith("preset (") else "MODEL"
-    gguf = s.name if s.source == "gguf" else "MODEL.gguf"
-    tandem = s.name if src.startswith("preset") else "MODEL"
-    return tandem, hf, gguf
+    """What to write for the model in tandem's, vLLM's and llama-server's
+    command lines: a GGUF's path where the plan read one; a preset's Hub id for
+    vLLM (tandem and llama-server read a local file: placeholders)."""
+    src = p.model.source
+    named = src[src.find("(") + 1 : -1]
+    if src.startswith("gguf ("):
+        return named, named, named
+    return "MODEL", named if src.startswith("preset (") else "MODEL", "MODEL.gguf"
 
 
 def format_report(p: Plan) -> str:
@@ -119,13 +130,13 @@ def format_report(p: Plan) -> str:
         tmodel, hf, gguf = _model_ref(p)
         out += ["", "Settings"]
         cmds = {
-            "tandem": f"tandem serve {shlex.quote(tmodel)}",
-            "vLLM": f"vllm serve {hf}",
+            "tandem": f"tandem serve --model {shlex.quote(tmodel)}",
+            "vLLM": f"vllm serve {shlex.quote(hf)}",
             "llama-server": f"llama-server -m {shlex.quote(gguf)}",
         }
         keys = {"tandem": "tandem", "vLLM": "vllm", "llama-server": "llama_server"}
         for label, cmd in cmds.items():
-            out.append(_line(label, f"{cmd} " + " ".join(p.flags[keys[label]])))
+            out.append(_command(label, f"{cmd} " + " ".join(p.flags[keys[label]])))
         env = " ".join(f"{k}={v}" for k, v in p.flags["ollama"].items())
         out.append(
             _line(
