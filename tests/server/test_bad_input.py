@@ -57,7 +57,8 @@ CASES = [
     ("/v1/completions", {"prompt": [-1]}, 400, "vocabulary"),
     ("/detokenize", {"tokens": [2**70]}, 400, "vocabulary"),
     ("/api/generate", {**OLLAMA, "options": {"num_ctx": 2**70}}, 400, "num_ctx"),
-    ("/api/generate", {**OLLAMA, "options": {"num_predict": 2**70}}, 400, "context length"),
+    ("/api/generate", {**OLLAMA, "options": {"num_predict": 2**70}}, 400,
+     "context window of 1024 tokens (--max-model-len); shorten the prompt or lower num_predict"),
     ("/api/generate", {**OLLAMA, "context": [2**70]}, 400, "vocabulary"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], '
                              b'"temperature": NaN}', 400, "temperature"),
@@ -178,6 +179,16 @@ def test_bad_request_is_4xx_with_a_clear_message(real_server, path, body, status
     got, message = post_keeping_connection(real_server.url, path, body, real_server.headers)
     assert got == status, message
     assert words in message and "Traceback" not in message
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -1), ("top_p", 2), ("presence_penalty", 3), ("n", 0), ("stop", [""]),
+    ("max_tokens", 0)])
+def test_a_sampling_range_error_names_its_field(real_server, field, value):
+    """OpenAI's error shape names the offending parameter, as pydantic's do."""
+    r = httpx.post(f"{real_server.url}/v1/chat/completions", headers=real_server.headers,
+                   json={"messages": CHAT, "max_tokens": 1, field: value}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
 def test_unknown_fields_are_ignored(real_server):

@@ -162,6 +162,13 @@ def test_completion_logprobs(client):
     assert len(lp.token_logprobs) == 4 and all(x <= 0 for x in lp.token_logprobs)
     assert all(len(t) == 2 for t in lp.top_logprobs)
     assert lp.text_offset == [0, 1, 2, 3]
+    # Sampled at T=1, a token outside the top 2 still has its entry (up to logprobs + 1).
+    r = client.completions.create(model="smollm2", prompt="My favourite word is", max_tokens=32,
+                                  temperature=2.0, seed=3, logprobs=1)
+    lp = r.choices[0].logprobs
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == logprob and 1 <= len(top) <= 2
+    assert any(len(top) == 2 for top in lp.top_logprobs)  # some token was not the likeliest
 
 
 def test_list_of_parts_content(client):

@@ -64,8 +64,9 @@ def make_sampling_params(state: ServerState, max_tokens: int | None, **given) ->
             fields["stop_token_ids"] = list(fields.get("stop_token_ids") or []) + extra
     try:
         return SamplingParams(**fields)
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
+    except ValueError as e:  # its messages start with the field's name
+        field = str(e).split(" ", 1)[0]
+        raise APIError(400, str(e), param=field if field in fields else None) from None
 
 
 def _check_bounds(state: ServerState, fields: dict) -> None:

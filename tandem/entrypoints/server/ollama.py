@@ -247,14 +247,18 @@ def _params(state: ServerState, opts: OllamaOptions | None, prompt_len: int,
         max_tokens = None  # -1: until the model stops; -2: until the context is full
     elif max_tokens == 0:
         raise bad_request("num_predict must be -1, -2 or positive, got 0")
-    if o.num_ctx is not None:
-        want = max_tokens if max_tokens is not None else 1
-        if prompt_len + want > window:
-            raise bad_request(
-                f"the prompt ({prompt_len} tokens) plus num_predict ({want}) exceeds num_ctx "
-                f"({window}); shorten the prompt or raise num_ctx")
-        if max_tokens is None:
-            max_tokens = window - prompt_len
+    # Checked here, in Ollama's names (the engine's own message speaks of max_tokens).
+    want = max_tokens if max_tokens is not None else 1
+    if prompt_len + want > window:
+        asked = f" plus num_predict ({want})" if o.num_predict and o.num_predict > 0 else ""
+        if o.num_ctx is not None:
+            raise bad_request(f"the prompt ({prompt_len} tokens){asked} exceeds num_ctx "
+                              f"({window}); shorten the prompt or raise num_ctx")
+        raise bad_request(f"the prompt ({prompt_len} tokens){asked} exceeds this server's "
+                          f"context window of {window} tokens (--max-model-len); shorten the "
+                          "prompt" + (" or lower num_predict" if asked else ""))
+    if o.num_ctx is not None and max_tokens is None:
+        max_tokens = window - prompt_len
     return make_sampling_params(
         state, max_tokens, temperature=o.temperature, top_k=o.top_k, top_p=o.top_p,
         min_p=o.min_p, seed=o.seed, stop=o.stop, repetition_penalty=o.repeat_penalty,

@@ -387,7 +387,7 @@ class _View:
             for text, lp, top in self._logprob_entries(out, k):
                 tokens.append(text)
                 token_lps.append(lp)
-                tops.append(dict(top))
+                tops.append({**dict(top), text: lp})  # the sampled token always (OpenAI's)
                 offsets.append(self._offsets[index])
                 self._offsets[index] += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
