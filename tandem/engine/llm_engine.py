@@ -51,10 +51,11 @@ CPU_BUDGET_RANGE = (16, 2048)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def cpu_token_budgets(cost: Callable[[int], float],
-                      max_num_seqs: int) -> tuple[int, int, float, float]:
+def cpu_token_budgets(cost: Callable[[int], float], max_num_seqs: int,
+                      max_tokens: int = CPU_BUDGET_RANGE[1]) -> tuple[int, int, float, float]:
     """(max_num_batched_tokens, prompt tokens per step with decodes, t1, c)
-    from ``cost(n)``: the seconds one n-token forward takes.
+    from ``cost(n)``: the seconds one n-token forward takes (n <= ``max_tokens``,
+    the model's positions).
 
     A step costs about t1 (one token: reading the weights) plus c per further
     token (compute). A prompt chunk delays every decoding stream by its cost,
@@ -69,8 +70,8 @@ def cpu_token_budgets(cost: Callable[[int], float],
     while a longer one ran quiet once read c as ~0 and gave a 2,048-token chunk
     that stalled every stream 16 s. So the two sizes alternate (each keeps its
     quickest run), a longer probe is never taken as quicker than a 1-token one,
-    and the chunk found is run once: costing more than half again its bound,
-    its own time gives c.
+    and the chunk found is run once: costing more than half again what c
+    predicts, its own time gives c.
     """
     probe = CPU_BUDGET_PROBE_TOKENS
     # First calls (thread team, allocator, weights' first touch) are not the model's cost.
@@ -86,10 +87,11 @@ def cpu_token_budgets(cost: Callable[[int], float],
 
     per_token = (tp - t1) / (probe - 1)
     with_decodes = chunk(per_token)
-    if with_decodes > probe:
-        extra = cost(with_decodes) - t1
-        if extra > 1.5 * (ITL_BOUND - 1) * t1:
-            per_token = extra / (with_decodes - 1)
+    n = min(with_decodes, max_tokens)
+    if n > probe:
+        extra = cost(n) - t1
+        if extra > 1.5 * (n - 1) * per_token:
+            per_token = extra / (n - 1)
             with_decodes = chunk(per_token)
     prompt_only = int(1 + PREFILL_READ_SHARE * t1 / max(per_token, 1e-9))
     total = min(max(prompt_only, max_num_seqs + with_decodes), hi)
@@ -248,7 +250,8 @@ class LLMEngine:
             self.score_tokens([0] * n, 1)
             return time.perf_counter() - t0
 
-        total, with_decodes, t1, per_token = cpu_token_budgets(cost, self.config.max_num_seqs)
+        total, with_decodes, t1, per_token = cpu_token_budgets(
+            cost, self.config.max_num_seqs, self.model_config.max_position_embeddings)
         logger.info("token budget %d per step, %d prompt tokens in steps with decodes: a "
                     "1-token step costs %.1f ms, each further token %.2f ms", total,
                     with_decodes, t1 * 1e3, per_token * 1e3)

@@ -51,3 +51,12 @@ def test_a_cheap_chunk_keeps_the_largest_budget():
     costs less than its bound, and its check leaves it."""
     _, chunk, _, _ = cpu_token_budgets(lambda n: T1 + 1e-5 * (n - 1), 16)
     assert chunk == CPU_BUDGET_RANGE[1]
+
+
+def test_the_chunk_check_stays_within_the_models_positions():
+    def cost(n: int) -> float:
+        assert n <= 100, "past the model's positions"
+        return model(n) * (20 if n == 1 else 1)
+
+    _, chunk, _, c = cpu_token_budgets(cost, 16, max_tokens=100)
+    assert c > 0.5 * C and chunk * C < 0.25
