@@ -7,7 +7,7 @@ import dataclasses
 import importlib.util
 import json
 import os
-import shlex
+import subprocess
 
 import pytest
 
@@ -435,21 +435,26 @@ def test_cli_text_report(capsys) -> None:
 
 
 @pytest.mark.parametrize("model, device", [
-    ("llama-3.1-8b", "rtx4090"), ("qwen2.5-1.5b", "cpu-ddr5"), (GGUF, "cpu-ddr5")])
-def test_the_printed_tandem_command_is_one_tandem_serve_takes(model, device) -> None:
-    """The report's tandem line, pasted: a GGUF's own path, else a placeholder
-    (tandem reads a local file, not a Hub id), and every flag serve's."""
+    ("llama-3.1-8b", "rtx4090"), ("qwen2.5-1.5b", "cpu-ddr5"), (GGUF, "cpu-ddr5"),
+    ("spaced", "cpu-ddr5")])
+def test_the_printed_tandem_command_is_one_tandem_serve_takes(model, device, tmp_path) -> None:
+    """The report's tandem line, pasted: a GGUF's own path (quoted), else a
+    placeholder (tandem reads a local file, not a Hub id), and every flag serve's."""
     from tandem.entrypoints.cli import build_parser
 
+    if model == "spaced":  # a path whose quoted form the wrapping must not split
+        model = str(tmp_path / ("my models " * 4) / "x.gguf")
+        os.makedirs(os.path.dirname(model))
+        os.symlink(GGUF, model)
     report = format_report(cap.plan(load_model(model), DEVICES[device]))
     lines = report[report.index("tandem serve"):].split("\n")
     last = next(i for i, x in enumerate(lines) if not x.endswith("\\"))
-    argv = shlex.split(" ".join(x.strip().removesuffix("\\") for x in lines[:last + 1]))
-    assert argv[:2] == ["tandem", "serve"]
-    args = build_parser().parse_args(argv[1:])
-    assert args.model == (GGUF if model == GGUF else "MODEL")
-    if model == GGUF:  # the model line, tandem's, vLLM's and llama-server's
-        assert report.count(GGUF) == 4
+    # What a shell makes of the lines as printed (quotes, continuations).
+    words = subprocess.run(["bash", "-c", "printf '%s\\0' " + "\n".join(lines[:last + 1])],
+                           capture_output=True, check=True).stdout.decode().split("\0")[:-1]
+    assert words[:2] == ["tandem", "serve"] and last > 0
+    args = build_parser().parse_args(words[1:])
+    assert args.model == (model if model.endswith(".gguf") else "MODEL")
 
 
 @pytest.mark.parametrize(

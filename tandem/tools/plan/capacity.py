@@ -432,7 +432,8 @@ def _flags(p: Plan) -> None:
     if p.dtype == "int8":
         vllm.append("--quantization fp8")
     elif p.dtype == "int4":
-        vllm.append("(serve an AWQ/GPTQ 4-bit checkpoint)")
+        p.notes.append("vLLM has no int4 flag for a 16-bit checkpoint: serve an AWQ or GPTQ "
+                       "4-bit one")
     llama = [f"-np {n}", f"-c {n * c}"]
     if p.device.kind == "gpu":
         llama.append("-ngl 999")

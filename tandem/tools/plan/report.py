@@ -20,12 +20,15 @@ def _line(label: str, text: str) -> str:
     return "\n".join([first, *rest])
 
 
-def _command(label: str, cmd: str) -> str:
-    """A command line wrapped between its words with shell continuations, so it
-    still runs when pasted (a path is never split)."""
-    body = textwrap.wrap(cmd, WIDTH - LABEL - 4, break_long_words=False,
-                         break_on_hyphens=False)
-    lines = [f"{b} \\" for b in body[:-1]] + body[-1:]
+def _command(label: str, words: list[str]) -> str:
+    """A command line wrapped between its (shell-quoted) words with shell
+    continuations, so it still runs when pasted: a quoted path is never split."""
+    lines = [""]
+    for word in words:
+        if lines[-1] and len(lines[-1]) + 1 + len(word) > WIDTH - LABEL - 4:
+            lines.append("")
+        lines[-1] += (" " if lines[-1] else "") + word
+    lines = [f"{x} \\" for x in lines[:-1]] + lines[-1:]
     return "\n".join([f"  {label:<{LABEL}}{lines[0]}", *(" " * (LABEL + 2) + x for x in lines[1:])])
 
 
@@ -130,13 +133,14 @@ def format_report(p: Plan) -> str:
         tmodel, hf, gguf = _model_ref(p)
         out += ["", "Settings"]
         cmds = {
-            "tandem": f"tandem serve --model {shlex.quote(tmodel)}",
-            "vLLM": f"vllm serve {shlex.quote(hf)}",
-            "llama-server": f"llama-server -m {shlex.quote(gguf)}",
+            "tandem": ["tandem", "serve", "--model", shlex.quote(tmodel)],
+            "vLLM": ["vllm", "serve", shlex.quote(hf)],
+            "llama-server": ["llama-server", "-m", shlex.quote(gguf)],
         }
         keys = {"tandem": "tandem", "vLLM": "vllm", "llama-server": "llama_server"}
         for label, cmd in cmds.items():
-            out.append(_command(label, f"{cmd} " + " ".join(p.flags[keys[label]])))
+            flags = [w for flag in p.flags[keys[label]] for w in flag.split(" ")]
+            out.append(_command(label, cmd + flags))
         env = " ".join(f"{k}={v}" for k, v in p.flags["ollama"].items())
         out.append(
             _line(
