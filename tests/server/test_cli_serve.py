@@ -61,3 +61,70 @@ def test_serve_rejects_bad_flags_before_loading(capsys):
                          (["--threads", "0"], "--threads must be >= 1")):
         assert main(["serve", *flags]) == 2
         assert words in capsys.readouterr().err
+
+
+def test_an_exit_signal_ends_running_requests_in_their_api_error(tmp_path):
+    """SIGTERM with replies still generating (the default model, ~1,500 tokens
+    each: longer than the drain): each stream ends with an error event and
+    [DONE], a waiting non-streaming call gets a 503 in OpenAI's shape, and the
+    server exits cleanly, without tracebacks, before uvicorn's graceful timeout
+    would cancel the handlers (which cut the streams with neither)."""
+    import json
+    import threading
+
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.entrypoints.cli", "serve", "--port", str(port),
+         "--kv-cache-memory", "64MiB", "--max-model-len", "2048", "--no-access-log"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "TANDEM_API_KEY": ""},
+    )
+    url = f"http://127.0.0.1:{port}"
+    body = {"messages": [{"role": "user", "content": "Count."}], "max_tokens": 1500,
+            "ignore_eos": True, "temperature": 0}
+    events: list[list[str]] = [[], []]
+    started = threading.Event()
+    plain: list[httpx.Response] = []
+
+    def stream(i: int) -> None:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True},
+                          timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events[i].append(line[6:])
+                    started.set()
+
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "tandem serve did not come up"
+            time.sleep(0.2)
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        threads.append(threading.Thread(target=lambda: plain.append(httpx.post(
+            f"{url}/v1/chat/completions", json=body, timeout=60))))
+        for t in threads:
+            t.start()
+        assert started.wait(60)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        exited = time.monotonic() - t0
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # uvicorn re-raises the caught SIGTERM once it has shut down (systemd counts that clean).
+    assert proc.returncode in (0, -signal.SIGTERM) and "Traceback" not in out, out
+    assert exited < 5, out  # within uvicorn's graceful timeout: nothing was cancelled
+    for ev in events:
+        assert ev[-1] == "[DONE]", ev[-3:]
+        assert "engine" in json.loads(ev[-2])["error"]["message"], ev[-2]
+    assert plain[0].status_code == 503 and plain[0].json()["error"]["code"], plain[0].text

@@ -12,6 +12,7 @@ import contextlib
 import gc
 import logging
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,10 @@ Loader = Callable[[], EngineClient]
 # Answer while the model loads: they need no engine, and clients probe them
 # to find out whether a server is there at all (Ollama's CLI: HEAD /).
 OPEN_WHILE_LOADING = frozenset({"/version", "/api/version", "/"})
+# On an exit signal requests in flight get DRAIN_S to finish; the rest end in an
+# error before uvicorn cancels their handlers, GRACEFUL_SHUTDOWN_S after it.
+DRAIN_S = 3.0
+GRACEFUL_SHUTDOWN_S = 5
 
 
 @dataclass
@@ -311,6 +316,24 @@ def serve(args, load: Loader) -> int:
     ), host=args.host, port=args.port, access_log=args.access_log)
 
 
+def _drain(engine: EngineClient) -> None:
+    """On the first exit signal: give the requests in flight DRAIN_S to finish,
+    then shut the engine down, so each one still running ends in its API's
+    error (an SSE error event and [DONE], or a 503 in shape) before uvicorn's
+    graceful timeout cancels its handler. Cancelled, a stream was cut without
+    either and every handler logged a traceback."""
+    deadline = time.monotonic() + DRAIN_S
+    while time.monotonic() < deadline:
+        s = engine.stats()
+        if not (s.num_running or s.num_waiting or s.num_pending):
+            break
+        time.sleep(0.05)
+    else:
+        logger.warning("shutting down: requests still running after %.0f s end with an error",
+                       DRAIN_S)
+    engine.shutdown()
+
+
 def run_server(load: Loader, config: ServerConfig, host: str, port: int,
                access_log: bool = True) -> int:
     """Listen at once, load in the background, serve until interrupted; 0 when stopped.
@@ -334,15 +357,24 @@ def run_server(load: Loader, config: ServerConfig, host: str, port: int,
             raise
 
     app = build_app(load_or_stop, config)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_config=None,
-                                           access_log=access_log, timeout_graceful_shutdown=5))
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit and app.state.tandem is not None:
+                threading.Thread(target=_drain, args=(app.state.tandem.engine,),
+                                 name="tandem-drain", daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=host, port=port, log_config=None,
+                                   access_log=access_log,
+                                   timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     logger.info("loading the model: until it is ready, requests get 503 \"Loading model\"")
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises a caught SIGINT once it has shut down
         pass
     finally:
-        if app.state.tandem is not None:
+        if app.state.tandem is not None and not app.state.tandem.engine.dead:
             app.state.tandem.engine.shutdown()
     if failure:
         raise failure[0]
