@@ -13,7 +13,7 @@ import bisect
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +24,7 @@ from tandem.core.kv_cache_manager import KVCacheManager, group_layers
 from tandem.core.output_processor import EngineCoreOutput, process_output
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler import Scheduler
+from tandem.engine.token_budget import ChunkTuner, cpu_token_budgets
 from tandem.model.attention import AttentionMetadata, build_group
 from tandem.model.hugepages import populate
 from tandem.model.kv_cache import kv_cache_class, kv_cache_dtype_name
@@ -38,64 +39,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 2 * 2**30
 KV_COMMIT_HEADROOM = 2**30  # bytes of memory the KV pool's commit leaves free
-# CPU token budgets (LLMEngine._cpu_token_budgets): a prompt chunk adds at most
-# ITL_BOUND - 1 single-stream steps to a step with decodes; a prompt-only step
-# reads the weights for at most 1 / PREFILL_READ_SHARE of its time. Measured
-# with prompts of 1 and CPU_BUDGET_PROBE_TOKENS in turn, CPU_BUDGET_PROBE_ROUNDS
-# times; kept within CPU_BUDGET_RANGE.
-ITL_BOUND = 3
-PREFILL_READ_SHARE = 8
-CPU_BUDGET_PROBE_TOKENS = 32
-CPU_BUDGET_PROBE_ROUNDS = 4
-CPU_BUDGET_RANGE = (16, 2048)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cpu_token_budgets(cost: Callable[[int], float], max_num_seqs: int,
-                      max_tokens: int = CPU_BUDGET_RANGE[1]) -> tuple[int, int, float, float]:
-    """(max_num_batched_tokens, prompt tokens per step with decodes, t1, c)
-    from ``cost(n)``: the seconds one n-token forward takes (n <= ``max_tokens``,
-    the model's positions).
-
-    A step costs about t1 (one token: reading the weights) plus c per further
-    token (compute). A prompt chunk delays every decoding stream by its cost,
-    so in steps with decodes prompts get (ITL_BOUND - 1) t1 / c tokens: a step
-    costs at most the decodes plus ITL_BOUND - 1 single-stream steps. Steps
-    with only prompts delay nobody; their budget makes reading the weights at
-    most 1 / PREFILL_READ_SHARE of the step, and the total leaves room for
-    every sequence to decode beside a capped chunk. A fixed 128 tuned on a
-    135M model made a 1.2B model's chunk stall every stream ~1 s.
-
-    A neighbour's burst during the probes skews them: 1-token probes slowed
-    while a longer one ran quiet once read c as ~0 and gave a 2,048-token chunk
-    that stalled every stream 16 s. So the two sizes alternate (each keeps its
-    quickest run), a longer probe is never taken as quicker than a 1-token one,
-    and the chunk found is run once: costing more than half again what c
-    predicts, its own time gives c.
-    """
-    probe = CPU_BUDGET_PROBE_TOKENS
-    # First calls (thread team, allocator, weights' first touch) are not the model's cost.
-    cost(1), cost(probe)
-    t1 = tp = float("inf")
-    for _ in range(CPU_BUDGET_PROBE_ROUNDS):
-        t1, tp = min(t1, cost(1)), min(tp, cost(probe))
-    t1 = min(t1, tp)
-    lo, hi = CPU_BUDGET_RANGE
-
-    def chunk(per_token: float) -> int:
-        return min(max(int((ITL_BOUND - 1) * t1 / max(per_token, 1e-9)), lo), hi)
-
-    per_token = (tp - t1) / (probe - 1)
-    with_decodes = chunk(per_token)
-    n = min(with_decodes, max_tokens)
-    if n > probe:
-        extra = cost(n) - t1
-        if extra > 1.5 * (n - 1) * per_token:
-            per_token = extra / (n - 1)
-            with_decodes = chunk(per_token)
-    prompt_only = int(1 + PREFILL_READ_SHARE * t1 / max(per_token, 1e-9))
-    total = min(max(prompt_only, max_num_seqs + with_decodes), hi)
-    return total, with_decodes, t1, per_token
 
 
 def _resolve_device(config: EngineConfig) -> torch.device:
@@ -170,11 +114,11 @@ class LLMEngine:
         block_bytes = groups.group_size * layer_bytes * c.block_size  # one group's layers
         # An explicit budget holds for every step (vLLM's semantics); CPU's default
         # follows the model's cost and caps prompt tokens in steps with decodes.
-        budget_tokens, prefill_cap = c.max_num_batched_tokens, None
+        budget_tokens, prefill_cap, t1 = c.max_num_batched_tokens, None, 0.0
         if budget_tokens is None and self.device.type == "cuda":
             budget_tokens = 8192
         elif budget_tokens is None:
-            budget_tokens, prefill_cap = self._cpu_token_budgets()
+            budget_tokens, prefill_cap, t1 = self._cpu_token_budgets()
         if c.kv_cache_memory is not None:
             budget = int(c.kv_cache_memory)
         elif self.device.type == "cuda":
@@ -223,6 +167,8 @@ class LLMEngine:
             self.kv_manager, c.max_num_seqs, budget_tokens, c.enable_chunked_prefill,
             prefill_cap,
         )
+        self.chunk_tuner = None if prefill_cap is None else ChunkTuner(
+            prefill_cap, t1, budget_tokens)
         self.runner = ModelRunner(self.model, self.kv_caches, c.block_size, self.eos_token_ids,
                                   c.max_num_seqs, max_len, groups)
         self.kv_bytes_per_token = bytes_per_token
@@ -242,9 +188,10 @@ class LLMEngine:
             "" if prefill_cap is None else f" ({prefill_cap} prompt tokens in steps with decodes)",
         )
 
-    def _cpu_token_budgets(self) -> tuple[int, int]:
-        """(max_num_batched_tokens, prompt tokens per step with decodes) from
-        this model's measured cost on this CPU (cpu_token_budgets)."""
+    def _cpu_token_budgets(self) -> tuple[int, int, float]:
+        """(max_num_batched_tokens, prompt tokens per step with decodes, a
+        1-token step's seconds) from this model's measured cost on this CPU
+        (cpu_token_budgets)."""
         def cost(n: int) -> float:
             t0 = time.perf_counter()
             self.score_tokens([0] * n, 1)
@@ -252,10 +199,10 @@ class LLMEngine:
 
         total, with_decodes, t1, per_token = cpu_token_budgets(
             cost, self.config.max_num_seqs, self.model_config.max_position_embeddings)
-        logger.info("token budget %d per step, %d prompt tokens in steps with decodes: a "
-                    "1-token step costs %.1f ms, each further token %.2f ms", total,
-                    with_decodes, t1 * 1e3, per_token * 1e3)
-        return total, with_decodes
+        logger.info("token budget %d per step, %d prompt tokens in steps with decodes (to "
+                    "start: tuned while serving): a 1-token step costs %.1f ms, each further "
+                    "token %.2f ms", total, with_decodes, t1 * 1e3, per_token * 1e3)
+        return total, with_decodes, t1
 
     def _cuda_kv_budget(self, num_tokens: int) -> int:
         """Bytes left for the KV pool: the utilization target minus everything else.
@@ -525,14 +472,20 @@ class LLMEngine:
     def step_core(self) -> list[EngineCoreOutput]:
         """Schedule, run the model, append each sampled token, end what token ids
         end (EOS, stop ids, max_tokens); text is ``process_output``'s job."""
-        now = time.monotonic()
-        sched = self.scheduler.schedule(now)
+        start = time.monotonic()
+        scheduler = self.scheduler
+        scheduled, prefill = scheduler.num_scheduled_tokens, scheduler.num_prefill_tokens
+        sched = scheduler.schedule(start)
         for req in sched.preempted:  # recomputed later, in fresh blocks
             self.runner.block_table.release(req.request_id)
         if not sched:
             return []
         result = self.runner.execute(sched)
         now = time.monotonic()
+        if self.chunk_tuner is not None:
+            prefill = scheduler.num_prefill_tokens - prefill
+            scheduler.max_prefill_tokens_with_decodes = self.chunk_tuner.observe(
+                now - start, scheduler.num_scheduled_tokens - scheduled - prefill, prefill)
         self.num_steps += 1
         for req, n in zip(sched.requests, sched.num_scheduled_tokens):
             req.num_computed_tokens += n

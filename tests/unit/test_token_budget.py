@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import itertools
 
-from tandem.engine.llm_engine import CPU_BUDGET_RANGE, PREFILL_READ_SHARE, cpu_token_budgets
+from tandem.engine.token_budget import (
+    CHUNK_MIN,
+    CPU_BUDGET_RANGE,
+    ITL_BOUND,
+    PREFILL_READ_SHARE,
+    ChunkTuner,
+    cpu_token_budgets,
+)
 
 T1, C = 0.020, 0.0015  # a 1B model on 2 cores: weights 20 ms, 1.5 ms a further token
 CHUNK = 26  # (ITL_BOUND - 1) x T1 / C: a chunk adds at most 2 single-stream steps
@@ -60,3 +67,37 @@ def test_the_chunk_check_stays_within_the_models_positions():
 
     _, chunk, _, c = cpu_token_budgets(cost, 16, max_tokens=100)
     assert c > 0.5 * C and chunk * C < 0.25
+
+
+def test_the_tuner_keeps_mixed_steps_to_the_bound_as_the_prompt_deepens():
+    """A decode step of 24 ms beside a 3,000-token prompt whose tokens cost
+    1.5 ms each plus their attention to the keys before them: once the decode
+    steps have been timed, every mixed step stays within ITL_BOUND decode steps
+    (10% slack), though the chunk's price rises as the prompt deepens."""
+    d, c, a = 0.024, 0.0015, 2e-7  # a decode step, a prompt token, a key it attends to
+    tuner = ChunkTuner(cap=16, decode_s=0.040, most=2048)  # the probe's per-op 1-token step
+    for _ in range(20):
+        tuner.observe(d, decodes=1, prompt_tokens=0)
+    assert abs(tuner.decode_s - d) < 0.001
+    pos, worst, caps = 0, 0.0, []
+    while pos < 3000:
+        n = tuner.cap
+        step = d + n * (c + a * (pos + n / 2))
+        tuner.observe(step, decodes=1, prompt_tokens=n)
+        pos += n
+        caps.append(n)
+        if len(caps) > 4:  # settled
+            worst = max(worst, step / d)
+    assert 2.5 < worst <= ITL_BOUND * 1.1
+    assert caps[4] > caps[-1] >= CHUNK_MIN  # deeper in the prompt, a chunk costs more
+
+
+def test_the_tuner_keeps_a_floor_and_leaves_prompt_only_steps_alone():
+    tuner = ChunkTuner(cap=16, decode_s=0.01, most=64)
+    assert tuner.observe(5.0, decodes=0, prompt_tokens=64) == 16  # nobody was waiting
+    for _ in range(10):  # even the smallest chunk costs more than the bound allows
+        tuner.observe(0.5, decodes=2, prompt_tokens=tuner.cap)
+    assert tuner.cap == CHUNK_MIN
+    for _ in range(20):  # cheap again: back up to the budget, not past it
+        tuner.observe(0.011, decodes=2, prompt_tokens=tuner.cap)
+    assert tuner.cap == 64
