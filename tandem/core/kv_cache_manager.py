@@ -111,13 +111,18 @@ class KVCacheGroups:
                    for w in self.windows)
 
 
-def group_layers(layer_windows: Sequence[int], hybrid: bool = True) -> KVCacheGroups:
+def group_layers(layer_windows: Sequence[int], hybrid: bool = True,
+                 max_len: int | None = None) -> KVCacheGroups:
     """Split the layers into KV cache groups by window. One group of every layer
     (no block released) unless ``hybrid`` and the model mixes full-attention
     layers with windowed ones: a group of windowed layers only saves memory
-    beside a full-attention group 0 to check its prefix hits against. The
+    beside a full-attention group 0 to check its prefix hits against. A window
+    no shorter than ``max_len`` (the longest context) hides no key: such a
+    layer groups as a full-attention one. The
     group size pads the fewest layers with at most MAX_KV_GROUPS groups
     (Gemma 3 1B's 4 full and 22 windowed layers: 7 groups of 4)."""
+    if max_len is not None:
+        layer_windows = [w if w < max_len else 0 for w in layer_windows]
     n = len(layer_windows)
     one = KVCacheGroups(n, (0,), (0,) * n, tuple(range(n)))
     kinds = sorted(set(layer_windows))

@@ -107,10 +107,8 @@ class LLMEngine:
                 f"--max-model-len {c.max_model_len} exceeds the model's context window "
                 f"({cfg.max_position_embeddings})"
             )
-        # A window as long as the context hides no key: such layers group as full ones.
-        groups = group_layers([w if w < max_len else 0 for w in map(
-            cfg.layer_window, range(cfg.num_hidden_layers))],
-            hybrid=not c.disable_hybrid_kv_cache_manager)
+        groups = group_layers([cfg.layer_window(i) for i in range(cfg.num_hidden_layers)],
+                              not c.disable_hybrid_kv_cache_manager, max_len)
         block_bytes = groups.group_size * layer_bytes * c.block_size  # one group's layers
         # An explicit budget holds for every step (vLLM's semantics); CPU's default
         # follows the model's cost and caps prompt tokens in steps with decodes.

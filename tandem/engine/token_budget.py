@@ -75,21 +75,30 @@ class ChunkTuner:
     decode beside it leaves the one-call decode step: the 1.66B Q4_0 beside a
     3,000-token prompt took a median 162 ms a step (max 213) against 23.7 ms
     alone. So each mixed step's time above the decodes' (an average of
-    decode-only steps) prices its prompt tokens again, and the cap moves half
-    way to what the bound allows at that price. O(1) per step.
+    decode-only steps with as many decodes) prices its prompt tokens again, and
+    the cap moves half way to what the bound allows at that price. O(1) per step.
     """
 
     def __init__(self, cap: int, decode_s: float, most: int) -> None:
         self.cap = cap
-        self.decode_s = decode_s  # decode-only steps' time, averaged
+        self.first_decode_s = decode_s  # the probe's 1-token step: until a decode-only one
+        self.decode_s: dict[int, float] = {}  # decode-only steps' time by their decodes, averaged
         self.most = most
 
     def observe(self, seconds: float, decodes: int, prompt_tokens: int) -> int:
-        """Account one step; the cap for the next."""
+        """Account one step; the cap for the next.
+
+        Only a chunk of at least half the cap prices tokens: a prompt's last
+        token or two cost about nothing beside the decodes, and read as free
+        they sent the cap to the whole budget. The cap at most doubles a step.
+        """
         if decodes and not prompt_tokens:
-            self.decode_s += 0.2 * (seconds - self.decode_s)
-        elif decodes:
-            extra = max(seconds - self.decode_s, 1e-6)
-            allowed = prompt_tokens * (ITL_BOUND - 1) * self.decode_s / extra
-            self.cap = min(max(round((self.cap + allowed) / 2), CHUNK_MIN), self.most)
+            last = self.decode_s.get(decodes, seconds)
+            self.decode_s[decodes] = last + 0.2 * (seconds - last)
+        elif decodes and prompt_tokens >= self.cap / 2:
+            base = self.decode_s.get(decodes, self.first_decode_s)
+            extra = max(seconds - base, 0.05 * base)
+            allowed = prompt_tokens * (ITL_BOUND - 1) * base / extra
+            self.cap = min(max(round((self.cap + allowed) / 2), CHUNK_MIN), 2 * self.cap,
+                           self.most)
         return self.cap

@@ -45,6 +45,9 @@ def test_the_pool_holds_a_longer_context_with_window_groups(gemma3):
         _engine(path, kv_cache_memory="1KiB")
     # A window no shorter than the context hides no key: one group.
     assert not _engine(path, max_model_len=10).kv_groups.hybrid
+    chk = check_engine(str(path), kv_cache_memory=2**20, kv_cache_dtype="fp32", context=10)
+    assert chk.ok and chk.engine_cache_tokens == 2**20 // (3 * 256) // 16 * 16
+    assert not any("KV cache groups" in n for n in chk.notes)
 
 
 def _hf_logprobs(hf, prompt: list[int], out: list[int]) -> list[float]:
@@ -123,4 +126,10 @@ def test_plan_engine_check_counts_the_pool_by_groups(gemma3):
     assert any(n.startswith("3 KV cache groups of 1 layers (the engine's: 3 of 1)")
                for n in chk.notes)
     # The planner groups the layers as the engine does, from the same config.json.
-    assert kv_groups(load_model(str(path))) == _engine(path).kv_groups
+    assert kv_groups(load_model(str(path)), 64) == _engine(path).kv_groups
+    # At a --max-model-len the window does not hide keys of, one group (the engine's too).
+    assert not kv_groups(load_model(str(path)), 10).hybrid
+    assert not _engine(path, max_model_len=10).kv_groups.hybrid
+    chk = check_engine(str(path), kv_cache_memory=2**20, kv_cache_dtype="fp32", context=10)
+    assert chk.ok and chk.engine_cache_tokens == 2**20 // (3 * 256) // 16 * 16
+    assert not any("KV cache groups" in n for n in chk.notes)

@@ -281,7 +281,7 @@ def test_windowed_layers_hold_their_window_only() -> None:
     assert spec.attended_keys(32768) == (4 * 32768 + 22 * 512) / 26
     assert spec.attended_keys(100) == 100 and spec.causal_pairs(100) == 100 * 100 / 2
     assert spec.causal_pairs(1024) == (4 * 1024**2 / 2 + 22 * (512**2 / 2 + 512 * 512)) / 26
-    groups = ar.kv_groups(spec)
+    groups = ar.kv_groups(spec, 32768)
     assert (groups.group_size, groups.windows) == (4, (0,) + (512,) * 6)
     p = cap.plan(spec, DEVICES["cpu-ddr5"], context=32768)
     flat = cap.plan(dataclasses.replace(spec, layer_windows=()), DEVICES["cpu-ddr5"],
@@ -302,6 +302,11 @@ def test_windowed_layers_hold_their_window_only() -> None:
     assert "7 KV cache groups of 4 layers" in p.formulas["kv_per_conversation"]
     assert "tokens of every layer" in p.formulas["cache_tokens"]
     assert p.flags["ollama_reserved_bytes"] < flat.flags["ollama_reserved_bytes"] / 4
+    # A context no longer than the window: every key is seen, one group of every
+    # layer, as the engine groups them at that --max-model-len.
+    short = cap.plan(spec, DEVICES["cpu-ddr5"], context=512)
+    assert not ar.kv_groups(spec, 512).hybrid and short.kv_blocks_per_conversation == 32
+    assert short.kv_bytes_per_conversation == short.kv_bytes_per_token * 512
     # A config.json's windows as the model loader reads them; a type without known
     # window rules plans every layer at full attention.
     cfg = {k: v for k, v in PRESETS["gemma-3-1b"].items() if not k.startswith("_")}
@@ -319,7 +324,7 @@ def test_longest_context_of_a_hybrid_pool() -> None:
     text = " ".join(p.warnings)
     fit = cap._longest_context(p, 8)
     assert f"--context {fit:,} fits 8 slots" in text
-    blocks_for = ar.kv_groups(p.model).blocks_for
+    blocks_for = ar.kv_groups(p.model, p.context).blocks_for
     assert 8 * blocks_for(fit, 16, p.max_num_batched_tokens) <= p.cache_blocks
     assert 8 * blocks_for(fit + 16, 16, p.max_num_batched_tokens) > p.cache_blocks
 

@@ -78,7 +78,7 @@ def test_the_tuner_keeps_mixed_steps_to_the_bound_as_the_prompt_deepens():
     tuner = ChunkTuner(cap=16, decode_s=0.040, most=2048)  # the probe's per-op 1-token step
     for _ in range(20):
         tuner.observe(d, decodes=1, prompt_tokens=0)
-    assert abs(tuner.decode_s - d) < 0.001
+    assert abs(tuner.decode_s[1] - d) < 0.001
     pos, worst, caps = 0, 0.0, []
     while pos < 3000:
         n = tuner.cap
@@ -92,12 +92,35 @@ def test_the_tuner_keeps_mixed_steps_to_the_bound_as_the_prompt_deepens():
     assert caps[4] > caps[-1] >= CHUNK_MIN  # deeper in the prompt, a chunk costs more
 
 
+def test_a_prompts_last_tokens_do_not_read_as_free():
+    """A step whose prompt part is a token or two costs about what the decodes
+    do; read as a price it allowed ~10^4 tokens and sent the cap to the whole
+    budget. Such steps price nothing, and the cap at most doubles a step."""
+    tuner = ChunkTuner(cap=26, decode_s=0.024, most=1024)
+    tuner.observe(0.024, decodes=4, prompt_tokens=0)
+    assert tuner.observe(0.0235, decodes=4, prompt_tokens=2) == 26
+    assert tuner.observe(0.024, decodes=4, prompt_tokens=13) <= 52  # half the cap, cheap
+
+
+def test_decodes_are_priced_by_their_own_count():
+    """A mixed step with 8 decodes is compared with decode-only steps of 8, not
+    of 1: the 7 more decodes are not the prompt's cost."""
+    tuner = ChunkTuner(cap=16, decode_s=0.030, most=2048)
+    for _ in range(30):
+        tuner.observe(0.020, decodes=1, prompt_tokens=0)
+        tuner.observe(0.060, decodes=8, prompt_tokens=0)
+    for _ in range(10):  # 16 prompt tokens at 2 ms beside 8 decodes: within the bound
+        tuner.observe(0.060 + tuner.cap * 0.002, decodes=8, prompt_tokens=tuner.cap)
+    assert tuner.cap >= 50  # 2 x 60 ms / 2 ms = 60 allowed; against 1 decode's 20 ms: 4
+
+
 def test_the_tuner_keeps_a_floor_and_leaves_prompt_only_steps_alone():
     tuner = ChunkTuner(cap=16, decode_s=0.01, most=64)
     assert tuner.observe(5.0, decodes=0, prompt_tokens=64) == 16  # nobody was waiting
     for _ in range(10):  # even the smallest chunk costs more than the bound allows
         tuner.observe(0.5, decodes=2, prompt_tokens=tuner.cap)
     assert tuner.cap == CHUNK_MIN
+    tuner.observe(0.01, decodes=2, prompt_tokens=0)
     for _ in range(20):  # cheap again: back up to the budget, not past it
         tuner.observe(0.011, decodes=2, prompt_tokens=tuner.cap)
     assert tuner.cap == 64

@@ -316,16 +316,19 @@ def serve(args, load: Loader) -> int:
     ), host=args.host, port=args.port, access_log=args.access_log)
 
 
-def _drain(engine: EngineClient) -> None:
-    """On the first exit signal: give the requests in flight DRAIN_S to finish,
-    then shut the engine down, so each one still running ends in its API's
-    error (an SSE error event and [DONE], or a 503 in shape) before uvicorn's
-    graceful timeout cancels its handler. Cancelled, a stream was cut without
-    either and every handler logged a traceback."""
+def _drain(state: ServerState) -> None:
+    """On shutdown: give the requests in flight DRAIN_S to finish, then shut the
+    engine down, so each one still running ends in its API's error (an SSE
+    error event and [DONE], or a 503 in shape) before uvicorn's graceful
+    timeout cancels its handler. Cancelled, a stream was cut without either
+    and every handler logged a traceback. In flight is what the server
+    accepted (a request still being tokenized included) and what the engine
+    holds."""
+    engine = state.engine
     deadline = time.monotonic() + DRAIN_S
     while time.monotonic() < deadline:
         s = engine.stats()
-        if not (s.num_running or s.num_waiting or s.num_pending):
+        if not (state.admission.in_flight or s.num_running or s.num_waiting or s.num_pending):
             break
         time.sleep(0.05)
     else:
@@ -358,12 +361,17 @@ def run_server(load: Loader, config: ServerConfig, host: str, port: int,
 
     app = build_app(load_or_stop, config)
 
+    drains: list[threading.Thread] = []
+
     class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            if not self.should_exit and app.state.tandem is not None:
-                threading.Thread(target=_drain, args=(app.state.tandem.engine,),
-                                 name="tandem-drain", daemon=True).start()
-            super().handle_exit(sig, frame)
+        async def shutdown(self, sockets: Any = None) -> None:
+            """The drain starts beside uvicorn's own wait for connections to close
+            (on the event loop, not in the signal handler)."""
+            if app.state.tandem is not None:
+                drains.append(threading.Thread(target=_drain, args=(app.state.tandem,),
+                                               name="tandem-drain", daemon=True))
+                drains[-1].start()
+            await super().shutdown(sockets)
 
     server = Server(uvicorn.Config(app, host=host, port=port, log_config=None,
                                    access_log=access_log,
@@ -374,6 +382,8 @@ def run_server(load: Loader, config: ServerConfig, host: str, port: int,
     except KeyboardInterrupt:  # uvicorn re-raises a caught SIGINT once it has shut down
         pass
     finally:
+        for drain in drains:  # it shuts the engine down: once, and not beside this
+            drain.join(timeout=DRAIN_S + GRACEFUL_SHUTDOWN_S)
         if app.state.tandem is not None and not app.state.tandem.engine.dead:
             app.state.tandem.engine.shutdown()
     if failure:

@@ -373,10 +373,16 @@ class _View:
             return f"token_id:{tid}"
         return self.tok.decode([tid], skip_special_tokens=False)
 
-    def _logprob_entries(self, out: RequestOutput, k: int) -> list[tuple[str, float, list]]:
+    def _logprob_entries(self, out: RequestOutput, k: int,
+                         with_sampled: bool = False) -> list[tuple[str, float, list]]:
+        """(token, logprob, top k) per new token; ``with_sampled``: the sampled
+        token joins its top k when it is not among them (the completions API's
+        up to logprobs + 1 entries)."""
         entries = []
         for tid, lps in zip(out.new_token_ids, out.new_logprobs or []):
             top = sorted(lps.items(), key=lambda kv: -kv[1])[:k]
+            if with_sampled and all(t != tid for t, _ in top):
+                top.append((tid, lps.get(tid, _NEG)))
             entries.append((self._token_text(tid), _finite(lps.get(tid, _NEG)),
                             [(self._token_text(t), _finite(lp)) for t, lp in top]))
         return entries
@@ -384,10 +390,10 @@ class _View:
     def _completion_logprobs(self, index: int, outs: list[RequestOutput], k: int) -> dict:
         tokens, token_lps, tops, offsets = [], [], [], []
         for out in outs:
-            for text, lp, top in self._logprob_entries(out, k):
+            for text, lp, top in self._logprob_entries(out, k, with_sampled=True):
                 tokens.append(text)
                 token_lps.append(lp)
-                tops.append({**dict(top), text: lp})  # the sampled token always (OpenAI's)
+                tops.append(dict(top))
                 offsets.append(self._offsets[index])
                 self._offsets[index] += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,

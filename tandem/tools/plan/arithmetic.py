@@ -180,10 +180,11 @@ def activation_bytes(spec: ModelSpec, batched_tokens: int, act_bytes: int, logit
     return batched_tokens * per_token * act_bytes + logit_rows * spec.vocab_size * 4
 
 
-def kv_groups(spec: ModelSpec) -> KVCacheGroups:
-    """The engine's KV cache groups for this model (one of every layer unless it
-    mixes full-attention and windowed layers)."""
-    return group_layers(spec.layer_windows or (0,) * spec.num_layers)
+def kv_groups(spec: ModelSpec, context: int, hybrid: bool = True) -> KVCacheGroups:
+    """The engine's KV cache groups for this model at this longest context (one
+    of every layer unless it mixes full-attention layers with windowed ones
+    whose window hides keys of such a context)."""
+    return group_layers(spec.layer_windows or (0,) * spec.num_layers, hybrid, context)
 
 
 def cache_blocks(

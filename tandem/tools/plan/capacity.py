@@ -208,7 +208,7 @@ def plan(
     act = activation_bytes(spec, batched, act_b, min(batched, 256))
     budget = device.memory_bytes * util - reserve
     cache = budget - w.total - act
-    groups = kv_groups(spec)
+    groups = kv_groups(spec, context)
     blocks, tokens = cache_blocks(cache, kv_tok, block_size, groups, spec.num_layers)
     # A windowed group holds its window and the chunk one step computes.
     held = groups.blocks_for(context, block_size, batched)
@@ -314,7 +314,7 @@ def _formulas(p: Plan) -> None:
         f"{p.kv_element_bytes:g} B ({p.kv_cache_dtype}) = {p.kv_bytes_per_token:,.0f} B "
         f"({p.kv_bytes_per_token / 1024:,.1f} KiB)"
     )
-    groups = kv_groups(s)
+    groups = kv_groups(s, p.context)
     layer_tok = p.kv_bytes_per_token / s.num_layers
     if groups.hybrid:
         windowed = sum(1 for w in s.layer_windows if w)
@@ -573,8 +573,8 @@ def _warnings(p: Plan, *, explore: bool) -> None:
 def _longest_context(p: Plan, slots: int) -> int:
     """The longest context of which ``slots`` conversations fit the pool, in
     whole blocks (0 when none does)."""
-    blocks_for = functools.partial(kv_groups(p.model).blocks_for, block_size=p.block_size,
-                                   chunk=p.max_num_batched_tokens)
+    blocks_for = functools.partial(kv_groups(p.model, p.context).blocks_for,
+                                   block_size=p.block_size, chunk=p.max_num_batched_tokens)
     tokens = bisect.bisect_right(range(p.cache_blocks * p.block_size + 1), p.cache_blocks // slots,
                                  key=blocks_for) - 1
     return tokens // p.block_size * p.block_size

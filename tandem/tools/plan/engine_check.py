@@ -186,7 +186,8 @@ def compare(
     w = ar.weight_bytes(spec, wdtype)
     engine_tokens = engine.kv_pool_tokens
     notes: list[str] = []
-    groups = ar.kv_groups(spec)
+    groups = ar.kv_groups(spec, engine.max_model_len,
+                          not getattr(c, "disable_hybrid_kv_cache_manager", False))
     if groups.hybrid:
         notes.append(
             f"{len(groups.windows)} KV cache groups of {groups.group_size} layers (the "
