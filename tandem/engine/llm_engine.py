@@ -471,8 +471,9 @@ class LLMEngine:
         """Schedule, run the model, append each sampled token, end what token ids
         end (EOS, stop ids, max_tokens); text is ``process_output``'s job."""
         start = time.monotonic()
-        scheduler = self.scheduler
-        scheduled, prefill = scheduler.num_scheduled_tokens, scheduler.num_prefill_tokens
+        scheduler, tuner = self.scheduler, self.chunk_tuner
+        if tuner is not None:  # this step's tokens: the change of the scheduler's totals
+            scheduled, prefill = scheduler.num_scheduled_tokens, scheduler.num_prefill_tokens
         sched = scheduler.schedule(start)
         for req in sched.preempted:  # recomputed later, in fresh blocks
             self.runner.block_table.release(req.request_id)
@@ -480,9 +481,9 @@ class LLMEngine:
             return []
         result = self.runner.execute(sched)
         now = time.monotonic()
-        if self.chunk_tuner is not None:
+        if tuner is not None:
             prefill = scheduler.num_prefill_tokens - prefill
-            scheduler.max_prefill_tokens_with_decodes = self.chunk_tuner.observe(
+            scheduler.max_prefill_tokens_with_decodes = tuner.observe(
                 now - start, scheduler.num_scheduled_tokens - scheduled - prefill, prefill)
         self.num_steps += 1
         for req, n in zip(sched.requests, sched.num_scheduled_tokens):

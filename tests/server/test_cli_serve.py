@@ -20,28 +20,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_subprocess_end_to_end(tiny_config_path):
+def _serve(flags: list[str], timeout: float) -> tuple[subprocess.Popen, str]:
+    """`tandem serve` with ``flags`` on a free port, once its /health answers 200."""
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.entrypoints.cli", "serve", "--model", tiny_config_path,
-         "--load-format", "dummy", "--kv-cache-memory", "1MiB", "--max-model-len", "128",
-         "--port", str(port), "--served-model-name", "tiny", "tiny-alias", "--max-queue", "3",
-         "--no-access-log", "--skip-tokenizer-init"],
+        [sys.executable, "-m", "tandem.entrypoints.cli", "serve", "--port", str(port), *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "TANDEM_API_KEY": ""},
     )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
         while True:
             assert proc.poll() is None, proc.stdout.read()
             try:
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
+                    return proc, url
             except httpx.TransportError:
                 pass
             assert time.monotonic() < deadline, "tandem serve did not come up"
             time.sleep(0.2)
+    except BaseException:
+        proc.kill()
+        raise
+
+
+def test_serve_subprocess_end_to_end(tiny_config_path):
+    proc, url = _serve(
+        ["--model", tiny_config_path, "--load-format", "dummy", "--kv-cache-memory", "1MiB",
+         "--max-model-len", "128", "--served-model-name", "tiny", "tiny-alias",
+         "--max-queue", "3", "--no-access-log", "--skip-tokenizer-init"], timeout=60)
+    try:
         models = httpx.get(f"{url}/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["tiny", "tiny-alias"]
         r = httpx.post(f"{url}/v1/completions", json={
@@ -72,14 +81,8 @@ def test_an_exit_signal_ends_running_requests_in_their_api_error(tmp_path):
     import json
     import threading
 
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.entrypoints.cli", "serve", "--port", str(port),
-         "--kv-cache-memory", "64MiB", "--max-model-len", "2048", "--no-access-log"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "TANDEM_API_KEY": ""},
-    )
-    url = f"http://127.0.0.1:{port}"
+    proc, url = _serve(["--kv-cache-memory", "64MiB", "--max-model-len", "2048",
+                        "--no-access-log"], timeout=120)
     body = {"messages": [{"role": "user", "content": "Count."}], "max_tokens": 1500,
             "ignore_eos": True, "temperature": 0}
     events: list[list[str]] = [[], []]
@@ -95,16 +98,6 @@ def test_an_exit_signal_ends_running_requests_in_their_api_error(tmp_path):
                     started.set()
 
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "tandem serve did not come up"
-            time.sleep(0.2)
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
         threads.append(threading.Thread(target=lambda: plain.append(httpx.post(
             f"{url}/v1/chat/completions", json=body, timeout=60))))
