@@ -53,3 +53,75 @@ def test_max_num_seqs_holds_back_admission_not_decodes():
     sched.add_request(Request("p", [1, 2, 3], SamplingParams(max_tokens=1), 1))
     assert sched.schedule(1.0).num_scheduled_tokens == [1, 1, 1, 1]
     assert sched.num_waiting == 1
+
+
+def advance(out) -> None:
+    """What the engine does after a step: count the computed tokens, sample at the end."""
+    for r, n in zip(out.requests, out.num_scheduled_tokens):
+        r.num_computed_tokens += n
+        if r.num_computed_tokens == r.num_tokens:
+            r.append_token(7)
+
+
+def prompt(rid: str, n: int) -> Request:
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=4), 4)
+
+
+def test_a_short_prompt_does_not_wait_out_a_long_prompts_prefill():
+    sched = scheduler(budget=512, prompt_cap=8)
+    start_decoding(sched, 1)
+    sched.add_request(prompt("long", 300))
+    out = sched.schedule(1.0)
+    assert out.num_scheduled_tokens == [1, 8]
+    advance(out)
+    sched.add_request(prompt("short", 10))
+    # The long prompt keeps a quarter of the cap; the short one gets the rest.
+    out = sched.schedule(2.0)
+    assert [r.request_id for r in out.requests] == ["d0", "long", "short"]
+    assert out.num_scheduled_tokens == [1, 2, 6]
+    advance(out)
+    # Two prompts in progress: the short one's 4 tokens first, the long one the rest.
+    out = sched.schedule(3.0)
+    assert out.num_scheduled_tokens == [1, 4, 4]
+    advance(out)
+    assert sched.running[2].num_output_tokens == 1  # the short prompt's first token
+    assert sched.schedule(4.0).num_scheduled_tokens == [1, 8, 1]  # and it decodes
+
+
+def test_without_decodes_the_short_prompt_is_admitted_in_the_same_step():
+    sched = scheduler(budget=100, prompt_cap=16)
+    sched.add_request(prompt("long", 300))
+    advance(sched.schedule(0.0))
+    sched.add_request(prompt("short", 30))
+    out = sched.schedule(1.0)
+    assert out.num_scheduled_tokens == [70, 30]
+    # A prompt longer than the one in progress waits its turn, as before.
+    sched = scheduler(budget=100, prompt_cap=16)
+    sched.add_request(prompt("long", 120))
+    advance(sched.schedule(0.0))
+    sched.add_request(prompt("longer", 300))
+    assert sched.schedule(1.0).num_scheduled_tokens == [20, 80]
+
+
+def test_short_arrivals_never_starve_the_oldest_prompt():
+    sched = scheduler(budget=512, prompt_cap=8)
+    start_decoding(sched, 1)
+    sched.add_request(prompt("long", 100))
+    long_req = sched.waiting[0]
+    for step in range(10):
+        done = long_req.num_computed_tokens
+        sched.add_request(prompt(f"s{step}", 8))  # the whole cap
+        advance(sched.schedule(float(step)))
+        assert long_req.num_computed_tokens - done >= 2
+
+
+def test_a_share_the_queues_head_cannot_take_goes_back():
+    # 20 blocks of 4 tokens: the long prompt's second chunk leaves too few for the head.
+    sched = Scheduler(KVCacheManager(20, 4, False), max_num_seqs=8, max_num_batched_tokens=40)
+    sched.add_request(prompt("long", 76))
+    advance(sched.schedule(0.0))
+    sched.add_request(prompt("short", 8))
+    out = sched.schedule(1.0)
+    assert [r.request_id for r in out.requests] == ["long"]
+    assert out.num_scheduled_tokens == [36]
+    assert sched.num_waiting == 1
