@@ -12,9 +12,9 @@ by its cost); such a step may then chunk a running prompt too.
 
 When more than one prompt wants a step's prompt tokens (prompts in progress,
 and the head of the queue if a seat is free), they go fewest tokens left
-first (``_prompt_shares``), and the oldest prompt in progress keeps a quarter
-of them: a short request no longer waits out a long prompt's whole prefill,
-and a stream of short ones cannot starve the long one. Tokens a prompt left
+first (``_prompt_shares``), and the oldest prompt in progress keeps half of
+them: a short request no longer waits out a long prompt's whole prefill, and
+a stream of short ones at most halves the long one's pace. Tokens a prompt left
 for the queue's head go back to it if the head is not admitted.
 
 When a running request cannot get a block, the newest running request is
@@ -181,7 +181,7 @@ class Scheduler:
 
         Fewest tokens left first, the queue's head among them (its share is what
         the running prompts leave; it is admitted only if it fits), after the
-        oldest prompt in progress has max(1, tokens // 4). Fewest-left-first ends
+        oldest prompt in progress has max(1, tokens // 2). Fewest-left-first ends
         the most prompts soonest: chunking one prompt at a time, a 40-token
         request waited 35 s behind a 3,000-token prompt beside a decoding stream
         (1.66B model, 2 vCPUs). O(running) on steps with a prompt in progress.
@@ -198,7 +198,7 @@ class Scheduler:
         if head is not None:
             wanting.append((head.num_tokens - head.num_computed_tokens, head))
         oldest_left, oldest = wanting[0]
-        first = min(oldest_left, max(1, tokens // 4))
+        first = min(oldest_left, max(1, tokens // 2))
         shares = {oldest.request_id: first}
         tokens -= first
         for left, r in sorted(wanting, key=lambda w: w[0]):  # stable: older first on ties
