@@ -10,12 +10,14 @@ never stalls running streams for a whole prefill. With
 gives prompts at most that many tokens (a chunk delays every decoding stream
 by its cost); such a step may then chunk a running prompt too.
 
-When more than one prompt wants a step's prompt tokens (prompts in progress,
-and the head of the queue if a seat is free), they go fewest tokens left
-first (``_prompt_shares``), and the oldest prompt in progress keeps half of
-them: a short request no longer waits out a long prompt's whole prefill, and
-a stream of short ones at most halves the long one's pace. Tokens a prompt left
-for the queue's head go back to it if the head is not admitted.
+When a prompt is in progress and more than one prompt wants a step's prompt
+tokens (the running prompts, and while seats are free the queue's head and
+its shortest request), they go fewest tokens left first (``_prompt_shares``),
+after the oldest of them by arrival has half: a short request waits out
+neither a long prompt's prefill nor a long prompt queued ahead of it, and a
+stream of short ones at most halves the oldest prompt's pace. A queued
+request with a share is admitted first, out of FCFS order; a share it cannot
+take (no blocks) goes back to the running prompts.
 
 When a running request cannot get a block, the newest running request is
 preempted by recompute: its blocks are freed, its progress reset, and it goes
@@ -130,23 +132,28 @@ class Scheduler:
                 continue
             break  # req itself was preempted: nothing older is left to try
 
-        # 2. Waiting requests, FCFS, unless this step had to preempt.
+        # 2. Waiting requests: those with a share first, then FCFS; none if this
+        # step had to preempt.
+        first = [] if shares is None else [r for r in self.waiting if shares.get(r.request_id)]
         while (
             not out.preempted
             and self.waiting
             and min(budget, prefill) > 0
             and len(self.running) < self.max_num_seqs
         ):
-            req = self.waiting[0]
+            req = first.pop(0) if first else self.waiting[0]
             hits, num_hit = kv.get_computed_blocks(req)
             n = req.num_tokens - num_hit
-            if n > min(budget, prefill):
+            most = min(budget, prefill)
+            if shares is not None and req.request_id in shares:
+                most = min(most, shares[req.request_id])
+            if n > most:
                 if not self.enable_chunked_prefill:
                     break
-                n = min(budget, prefill)
+                n = most
             if not kv.allocate_slots(req, n, hits, reserve_blocks=len(self.running)):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             kv.prefix_cache_queries += req.num_tokens
             kv.prefix_cache_hits += num_hit
             req.num_computed_tokens = num_hit
@@ -161,55 +168,64 @@ class Scheduler:
             budget -= n
             prefill -= n
         if shares is not None and min(budget, prefill) > 0:
-            # The head was not admitted (blocks, a preemption): its share goes back.
+            # A queued request with a share was not admitted (blocks, a preemption):
+            # the running prompts take its tokens back.
             for j, req in enumerate(out.requests):
                 if req.request_id not in shares:
                     continue
                 n = out.num_scheduled_tokens[j]
                 more = min(req.num_tokens - req.num_computed_tokens - n, budget, prefill)
-                if more > 0 and kv.allocate_slots(req, n + more):
-                    out.num_scheduled_tokens[j] = n + more
-                    budget -= more
-                    prefill -= more
+                while more > 0:  # a block at a time, while the pool has one
+                    bs = kv.block_size
+                    step = min(more, bs - (req.num_computed_tokens + n) % bs)
+                    if not kv.allocate_slots(req, n + step):
+                        break
+                    n, more, budget, prefill = n + step, more - step, budget - step, prefill - step
+                out.num_scheduled_tokens[j] = n
         self.num_scheduled_tokens += budget_start - budget
         self.num_prefill_tokens += prefill_start - prefill
         return out
 
     def _prompt_shares(self, budget: int, prefill: int) -> dict[str, int] | None:
-        """Running prompts' tokens this step (by request id), or None when at most
-        one prompt wants them (the usual step: plain order then).
+        """Each candidate prompt's tokens this step (by request id), or None when
+        no prompt is in progress or only one wants tokens (the usual step: plain
+        order then).
 
-        Fewest tokens left first, the queue's head among them (its share is what
-        the running prompts leave; it is admitted only if it fits), after the
-        oldest prompt in progress has max(1, tokens // 2). Fewest-left-first ends
-        the most prompts soonest: chunking one prompt at a time, a 40-token
-        request waited 35 s behind a 3,000-token prompt beside a decoding stream
-        (1.66B model, 2 vCPUs). O(running) on steps with a prompt in progress.
+        The candidates: the running prompts and, while seats are free, the
+        queue's head and its shortest request. The oldest of them by arrival
+        has max(1, tokens // 2) first (so the head, older than every request
+        admitted past it, is never starved), then fewest tokens left first.
+        Fewest-left-first ends the most prompts soonest: chunking one prompt at
+        a time, a 40-token request waited 35 s behind a 3,000-token prompt
+        beside a decoding stream (1.66B model, 2 vCPUs), and a long prompt at
+        the head of the queue held every short one behind it. O(running +
+        waiting) on steps with a prompt in progress.
         """
         prompts = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         tokens = min(prefill, budget - (len(self.running) - len(prompts)))  # decodes go first
         if not prompts or tokens <= 0:
             return None
-        head = (self.waiting[0]
-                if self.waiting and len(self.running) < self.max_num_seqs else None)
-        if len(prompts) + (head is not None) < 2:
+        candidates = list(prompts)
+        seats = self.max_num_seqs - len(self.running)
+        if seats > 0 and self.waiting:
+            head = self.waiting[0]
+            shortest = min(self.waiting, key=lambda r: r.num_tokens - r.num_computed_tokens)
+            candidates.append(head)
+            if shortest is not head and seats > 1:
+                candidates.append(shortest)
+        if len(candidates) < 2:
             return None
-        wanting = [(r.num_tokens - r.num_computed_tokens, r) for r in prompts]
-        if head is not None:
-            wanting.append((head.num_tokens - head.num_computed_tokens, head))
-        oldest_left, oldest = wanting[0]
-        first = min(oldest_left, max(1, tokens // 2))
+        oldest = min(candidates, key=lambda r: r.times.arrival)
+        first = min(oldest.num_tokens - oldest.num_computed_tokens, max(1, tokens // 2))
         shares = {oldest.request_id: first}
         tokens -= first
-        for left, r in sorted(wanting, key=lambda w: w[0]):  # stable: older first on ties
+        for r in sorted(candidates, key=lambda r: r.num_tokens - r.num_computed_tokens):
             if tokens <= 0:
                 break
             have = shares.get(r.request_id, 0)
-            more = min(left - have, tokens)
+            more = min(r.num_tokens - r.num_computed_tokens - have, tokens)
             shares[r.request_id] = have + more
             tokens -= more
-        if head is not None:  # the waiting loop gives it what the running prompts leave
-            shares.pop(head.request_id, None)
         return shares
 
     def _preempt(self, req: Request) -> None:

@@ -59,14 +59,17 @@ def run_workload(engine: LLMEngine, arrivals: list[tuple[int, list[int], int]]):
         assert len(out.requests) == len({id(r) for r in out.requests})
         assert all(n >= 1 for n in out.num_scheduled_tokens)
         # Only the last scheduled request may stop short of its tokens (a chunk),
-        # unless prompts shared the step's prompt tokens and spent them all, or
-        # the pool had no block for more.
-        short = [r for r, n in zip(out.requests, out.num_scheduled_tokens)
+        # unless prompts shared the step's prompt tokens and spent them all
+        # (a 1-token prompt counts as a decode above), or the pool had no block
+        # for another token of each request stopped short.
+        short = [(r, n) for r, n in zip(out.requests, out.num_scheduled_tokens)
                  if r.num_computed_tokens + n < r.num_tokens]
-        spent = ((decoding and prompt == cap)
-                 or out.total_num_scheduled_tokens == sched.max_num_batched_tokens
-                 or sched.kv.num_free_blocks == 0)
-        assert short in ([], out.requests[-1:]) or spent
+        spent = ((decoding and cap is not None and prompt >= cap - sum(
+                    1 for r in out.requests if left.get(id(r), r.num_tokens) == 1))
+                 or out.total_num_scheduled_tokens == sched.max_num_batched_tokens)
+        no_room = all(-(-(r.num_computed_tokens + n + 1) // BLOCK) - len(r.block_ids)
+                      > sched.kv.num_free_blocks for r, n in short)
+        assert [r for r, _ in short] in ([], out.requests[-1:]) or spent or no_room
         return out
 
     sched.schedule = checked_schedule

@@ -104,6 +104,12 @@ def test_a_prefill_longer_than_the_first_stream_is_not_a_queue():
     assert "one_at_a_time" not in rules(m)
 
 
+def test_a_second_request_the_server_did_not_queue_is_not_one_at_a_time():
+    # tandem caps prompt tokens beside a decoding stream: the second prompt's prefill
+    # outlasts the first stream although the server queued it for no time.
+    assert "one_at_a_time" not in rules(healthy(**serialized_pair(server_queue_s=0.01)))
+
+
 def test_waiting_for_kv_blocks_is_the_cache_finding_not_a_slot_one():
     m = healthy(metrics_after=MetricsSample(0, 0, 0.2, 3), **serialized_pair())
     found = rules(m)

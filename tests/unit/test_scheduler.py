@@ -128,3 +128,29 @@ def test_a_share_the_queues_head_cannot_take_goes_back():
     assert [r.request_id for r in out.requests] == ["long"]
     assert out.num_scheduled_tokens == [36]
     assert sched.num_waiting == 1
+
+
+def test_a_short_prompt_is_admitted_past_a_long_one_queued_ahead_of_it():
+    sched = scheduler(budget=512, prompt_cap=8)
+    start_decoding(sched, 1)
+    sched.add_request(prompt("long1", 40))
+    advance(sched.schedule(1.0))  # long1 in progress
+    sched.add_request(prompt("long2", 300))
+    sched.add_request(prompt("short", 4))
+    out = sched.schedule(2.0)
+    # long1, the oldest, keeps half; the short one is admitted past long2.
+    assert [r.request_id for r in out.requests] == ["d0", "long1", "short"]
+    assert out.num_scheduled_tokens == [1, 4, 4]
+    assert [r.request_id for r in sched.waiting] == ["long2"]
+    advance(out)
+    # While long1 runs, long2 waits; each step long1 keeps its half.
+    for step in range(3, 12):
+        sched.add_request(prompt(f"s{step}", 8))
+        out = sched.schedule(float(step))
+        advance(out)
+        ids = [r.request_id for r in out.requests]
+        if "long2" in ids:
+            break
+        assert ids[1] == "long1" and out.num_scheduled_tokens[1] >= 4
+    # Once long1 is done, long2 is the oldest prompt: admitted with half, despite the shorts.
+    assert out.num_scheduled_tokens[ids.index("long2")] == 4

@@ -271,6 +271,10 @@ def _rule_one_at_a_time(m: Measurements, cache_hit: bool) -> Finding | None:
         return None
     if cache_hit:
         return None  # it waited for KV blocks, not a slot: the cache finding says so
+    if b.server_queue_s is not None and b.server_queue_s < 0.5 * extra:
+        # Admitted at once: its prefill went slower beside the first stream (a
+        # server that caps prompt tokens beside decodes), not a wait for a slot.
+        return None
     k = m.kind
     ev = (
         f"a second request sent while the first was streaming got its first token only "
