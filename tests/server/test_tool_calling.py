@@ -185,8 +185,11 @@ def test_auto_parses_hermes_calls_and_leaves_text_as_content(client):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
      "tools.0.function.parameters", "dictionary"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name", "given twice"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}],
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "x"}}}}}],
       "tool_choice": "required"}, "tools", "cannot be compiled"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters", "type 'object'"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tools", "both constrain"),

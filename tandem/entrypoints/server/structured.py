@@ -194,6 +194,11 @@ def plan_tools(tools: list[ChatTool] | None, tool_choice: str | NamedToolChoice 
             raise bad_request(f"tools[{i}].function.name {t.function.name!r} is given twice",
                               f"tools[{i}].function.name")
         seen.add(t.function.name)
+        kind = (t.function.parameters or {}).get("type", "object")
+        if kind != "object":  # a call's arguments are an object, as OpenAI requires
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema of "
+                              f"type 'object', got type {kind!r}",
+                              f"tools[{i}].function.parameters")
     name = None
     if isinstance(tool_choice, NamedToolChoice):
         name = tool_choice.function.name
