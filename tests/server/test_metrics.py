@@ -11,6 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tandem.engine.client import EngineStats
 from tandem.entrypoints.server.app import ServerConfig
 from tandem.entrypoints.server.stats import StatsLogger
 from tests.server.conftest import tiny_engine
@@ -117,6 +118,25 @@ def test_stats_line(server):
     assert "Avg generation throughput: 0.0" not in text
     text, busy = stats.line()  # nothing happened since
     assert not busy and "Avg generation throughput: 0.0 tokens/s" in text
+
+
+def test_stats_line_counts_a_prompt_while_it_prefills():
+    """A long prompt's chunks show as prompt throughput as they run, not only once it is done."""
+    base = dict(num_running=1, num_waiting=0, num_pending=0, kv_cache_usage=0.5,
+                num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0,
+                prompt_tokens_total=0, generation_tokens_total=0, num_threads=2,
+                num_kv_blocks=64, num_steps=0, scheduled_tokens_total=0,
+                prefill_tokens_total=0)
+    snaps = iter([EngineStats(**base)] + [EngineStats(**{
+        **base, "num_steps": 10, "scheduled_tokens_total": 1280,
+        "prefill_tokens_total": 1280})] * 2)
+
+    class Engine:
+        def stats(self) -> EngineStats:
+            return next(snaps)
+
+    text, busy = StatsLogger(Engine(), 10.0).line()  # type: ignore[arg-type]
+    assert busy and "Avg prompt throughput: 0.0" not in text
 
 
 def test_version_and_health(start_server, tiny_config_path, server):

@@ -236,7 +236,7 @@ class Dashboard:
                           default=0.0)
         point = {
             "t": round(s.wall, 3),
-            "prompt_tok_s": (st.prompt_tokens_total - p.prompt_tokens_total) / dt,
+            "prompt_tok_s": prefill / dt,  # computed chunk by chunk, as the stats line
             "generation_tok_s": (st.generation_tokens_total - p.generation_tokens_total) / dt,
             "tokens_per_step": scheduled / steps if steps else None,
             "prefill_share": prefill / scheduled if scheduled else None,
