@@ -87,6 +87,10 @@ def test_options_are_honoured(client):
                             options={"seed": 5, "num_predict": 8, "temperature": 1.0})
             for _ in range(2))
     assert a.response == b.response
+    # A whole float for an integer option is that integer, as Ollama's option decoding has it.
+    r = client.generate(model="smollm2", prompt="hi", stream=False, raw=True,
+                        options={"num_predict": 3.0, "temperature": 0})
+    assert r.eval_count == 3 and r.done_reason == "length"
 
 
 def test_num_ctx_above_the_window_is_an_error(client):

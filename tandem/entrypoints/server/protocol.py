@@ -5,6 +5,11 @@ working; known fields are type-checked here and range-checked by
 SamplingParams, and both failures become a 400 that names the field.
 Known features tandem does not implement (images, logit bias, legacy
 ``functions``) are rejected explicitly rather than silently ignored.
+
+Types are strict, as OpenAI's and Ollama's own decoders are: ``"max_tokens": true``
+or ``"5"`` is a 400, not 1 or 5 (pydantic's lax mode turns a bool into an int).
+An int converts to a float field; only Ollama's ``options`` take a whole float
+for an integer, as Ollama's option decoding does.
 """
 
 from __future__ import annotations
@@ -12,16 +17,26 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
 from tandem.entrypoints.server.errors import APIError, from_validation_error
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def _number(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("must be an integer")
+    return value
+
+
+# An Ollama option's integer: 100 or 100.0, not true or "100" (a fraction stays a 400).
+_OptionInt = Annotated[int, BeforeValidator(_number), Field(strict=False)]
 
 
 B = TypeVar("B", bound=_Body)
@@ -246,13 +261,13 @@ class ResponsesRequest(_Body):
 class OllamaOptions(_Body):
     """The Modelfile parameters tandem honours; the rest (mirostat, num_gpu...) are ignored."""
 
-    num_predict: int | None = None
-    num_ctx: int | None = None
+    num_predict: _OptionInt | None = None
+    num_ctx: _OptionInt | None = None
     temperature: float | None = None
-    top_k: int | None = None
+    top_k: _OptionInt | None = None
     top_p: float | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: _OptionInt | None = None
     stop: str | list[str] | None = None
     repeat_penalty: float | None = None
     presence_penalty: float | None = None
