@@ -360,6 +360,8 @@ class _View:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     def tandem(self) -> dict | None:
+        """The phase split: the first choice's at the top level, each choice's in
+        ``choices`` when there are several (``usage`` sums them; a split cannot)."""
         splits = [phase_split(f.metrics) if f is not None else None for f in self._finals()]
         if not splits or splits[0] is None:
             return None
