@@ -90,6 +90,19 @@ def test_required_yields_a_valid_call_streamed_and_not(client):
     jsonschema.validate(json.loads(calls[0]["arguments"]), PARAMS[calls[0]["name"]])
 
 
+def test_required_cut_before_a_name_is_no_content(client):
+    """max_tokens ends a forced call before its name: the whole response says what the
+    stream said, no content and no call (the grammar's '[{"name": "' is not a reply)."""
+    kwargs = dict(model="smollm2", messages=ASK, tools=TOOLS, tool_choice="required",
+                  max_tokens=3, temperature=0)
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.content is None and choice.message.tool_calls is None
+    calls, finish, content = streamed_calls(client.chat.completions.create(**kwargs,
+                                                                            stream=True))
+    assert (calls, finish, content) == ({}, "length", "")
+
+
 def test_required_with_parallel_calls(client):
     """Parallel calls (the default): a list of at least one, each call the list completed
     valid. A sampled 135M model may go on calling until max_tokens cuts the last one."""

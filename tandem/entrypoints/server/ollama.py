@@ -348,8 +348,8 @@ class _View:
         if self.parser is not None:
             self.parser.feed(text)
             self.parser.finish()
-            content, calls = self.parser.result()
-            text = (content or "") if calls else text
+            content, calls = self.parser.result()  # the stream's content (see openai.py)
+            text = content or ""
         obj = self._finish(self._object(text, calls), final)
         if self.gen.choices[0].params.logprobs is not None:
             obj["logprobs"] = self._logprobs(outs)

@@ -493,12 +493,14 @@ class _View:
             if parser is not None:
                 parser.feed(final.outputs[0].text)
                 parser.finish()
-                content, calls = parser.result()
+                # The parser's content, as the stream sent it: a forced call that
+                # max_tokens cut before its name is no content either.
+                message["content"], calls = parser.result()
                 if calls:
-                    message = {"role": "assistant", "content": content, "tool_calls": [
+                    message["tool_calls"] = [
                         {"id": t.id, "type": "function",
                          "function": {"name": t.name, "arguments": t.arguments}}
-                        for t in calls]}
+                        for t in calls]
                     finish_reason = tool_finish_reason(finish_reason)
             choice = {
                 "index": c.index, "message": message,
