@@ -10,6 +10,7 @@ calls to follow, or force the text with a regex).
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -55,7 +56,8 @@ def assert_valid_calls(calls, names=("get_weather", "get_time")) -> None:
 
 def streamed_calls(chunks) -> tuple[dict[int, dict], str | None, str]:
     """Tool calls accumulated from OpenAI chunks, checking OpenAI's order: a call's first
-    delta has id, type, name and empty arguments; later ones only argument fragments."""
+    delta has id, type and name; later ones only argument fragments; one entry per call
+    in a chunk."""
     calls: dict[int, dict] = {}
     content = ""
     finish = None
@@ -65,14 +67,15 @@ def streamed_calls(chunks) -> tuple[dict[int, dict], str | None, str]:
         delta = chunk.choices[0].delta
         content += delta.content or ""
         finish = chunk.choices[0].finish_reason or finish
+        indices = [tc.index for tc in delta.tool_calls or []]
+        assert len(set(indices)) == len(indices), delta.tool_calls
         for tc in delta.tool_calls or []:
             if tc.index not in calls:
-                assert tc.id.startswith("call_") and tc.type == "function"
-                assert tc.function.name and tc.function.arguments == ""
+                assert tc.id.startswith("call_") and tc.type == "function" and tc.function.name
                 calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": ""}
             else:
                 assert tc.id is None and tc.function.name is None
-                calls[tc.index]["arguments"] += tc.function.arguments
+            calls[tc.index]["arguments"] += tc.function.arguments or ""
     return calls, finish, content
 
 
@@ -185,6 +188,34 @@ def test_auto_parses_hermes_calls_and_leaves_text_as_content(client):
     plain = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS,
                                            max_tokens=8, temperature=0)
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
+
+
+def _forced(text: str) -> dict:
+    """A structured_outputs regex that makes the model write exactly ``text``."""
+    return {"structured_outputs": {"regex": re.escape(text)}}
+
+
+@pytest.mark.parametrize("text,content,names", [
+    ('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', None, []),  # unknown
+    ('<tool_call>{"name": "get_time", "arguments": "Paris"}</tool_call>', None, []),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Par', None, []),  # unclosed
+    ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+     '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>', "", ["get_time"]),
+])
+def test_auto_streams_only_the_calls_the_whole_response_holds(client, text, content, names):
+    """auto: what the model chose to write is checked before it is sent, so the stream and
+    the whole response agree; parallel_tool_calls false keeps the first call."""
+    kwargs = dict(model="smollm2", messages=ASK, tools=TOOLS, tool_choice="auto",
+                  parallel_tool_calls=False, max_tokens=80, temperature=0,
+                  extra_body=_forced(text))
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    calls, finish, streamed = streamed_calls(client.chat.completions.create(**kwargs,
+                                                                            stream=True))
+    want = text if content is None else content
+    assert (whole.message.content or "") == streamed == want
+    assert [c.function.name for c in whole.message.tool_calls or []] == names
+    assert [c["name"] for c in calls.values()] == names
+    assert whole.finish_reason == finish == ("tool_calls" if names else "stop")
 
 
 @pytest.mark.parametrize("body,param,words", [

@@ -23,9 +23,10 @@ HERMES = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": '
           '[{"arguments": {"x": 1}, "name": "f"}]</tool_call>')
 
 
-def run(mode: str, text: str, step: int, name: str | None = None):
+def run(mode: str, text: str, step: int, name: str | None = None,
+        max_calls: int | None = None):
     """Feed ``text`` in pieces of ``step`` characters; (content, {index: (name, args)}, parser)."""
-    p = ToolCallParser(mode, KNOWN, name)  # type: ignore[arg-type]
+    p = ToolCallParser(mode, KNOWN, name, max_calls)  # type: ignore[arg-type]
     deltas = []
     for i in range(0, len(text), step):
         deltas += p.feed(text[i:i + step])
@@ -60,16 +61,43 @@ def test_hermes_text_without_a_call_is_content(text):
         assert content == text and calls == {} and p.result() == (text, [])
 
 
-@pytest.mark.parametrize("text", [
+BROKEN = [
     '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',  # not a given tool
     '<tool_call>{"name": "f", "arguments": 5}</tool_call>',  # arguments not an object
+    '<tool_call>{"name": "f", "arguments": "Paris"}</tool_call>',
     '<tool_call>{"name": "f", "arguments": {"a": 1}',  # cut short
     '<tool_call>{"arguments": {}}</tool_call>',  # no name
     "<tool_call>not json</tool_call>",
-])
-def test_a_broken_call_makes_the_whole_response_content(text):
-    _, _, p = run("hermes", text, 3)
-    assert p.result() == (text, [])
+]
+
+
+@pytest.mark.parametrize("text", BROKEN)
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_broken_call_is_content_streamed_and_whole(text, step):
+    """Nothing of a call the whole response would not hold is streamed as a call."""
+    content, calls, p = run("hermes", text, step)
+    assert calls == {} and content == text and p.result() == (text, [])
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_good_calls_beside_a_broken_one(step):
+    good = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+    for text in (good + " " + BROKEN[0], BROKEN[1] + good):
+        content, calls, p = run("hermes", text, step)
+        broken = text.replace(good, "")
+        assert content == broken and calls == {0: ("f", '{"a": 1}')}
+        whole, found = p.result()
+        assert whole == content and [(c.name, c.arguments) for c in found] == [calls[0]]
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_max_calls_keeps_the_first(step):
+    """parallel_tool_calls false: the first call only, the rest dropped (vLLM's way)."""
+    content, calls, p = run("hermes", HERMES, step, max_calls=1)
+    assert content == "Let me check. \n" and list(calls) == [0] and len(p.calls) == 1
+    content, calls, p = run("llama3_json", '{"name": "f", "parameters": {}}; '
+                            '{"name": "f", "parameters": {"b": 2}}', step, max_calls=1)
+    assert content == "" and calls == {0: ("f", "{}")}
 
 
 @pytest.mark.parametrize("step", [1, 4, 1000])
@@ -86,9 +114,8 @@ def test_llama3_json(step):
 def test_array_and_arguments_modes(step):
     text = '[{"name": "f", "arguments": {"a": "]}"}}, {"name": "get_weather", "arguments": {}}]'
     content, calls, p = run("array", text, step)
-    assert calls == {0: ("f", '{"a": "]}"}'), 1: ("get_weather", "{}")} and p.valid
-    _, _, p = run("array", text + " trailing", step)
-    assert not p.valid
+    assert calls == {0: ("f", '{"a": "]}"}'), 1: ("get_weather", "{}")}
+    assert all(c.complete for c in p.result()[1])
     # cut by max_tokens: a forced call is still a call, as streamed
     _, calls, p = run("array", text[:-4], step)
     assert calls == {0: ("f", '{"a": "]}"}'), 1: ("get_weather", "")}

@@ -545,15 +545,18 @@ def tool_finish_reason(reason: str | None) -> str | None:
 
 
 def tool_call_deltas(deltas: list[Delta]) -> list[dict]:
-    """OpenAI's streamed tool calls: a call's first delta has its index, id, type, name and
-    empty arguments; the next ones carry argument fragments."""
-    out = []
+    """OpenAI's streamed tool calls: a call's first delta has its index, id, type and name
+    (and the arguments this step wrote); the next ones carry argument fragments. One
+    entry per call and chunk."""
+    out: list[dict] = []
     for d in deltas:
         if d.index is None:
             continue
         if d.call_id is not None:
             out.append({"index": d.index, "id": d.call_id, "type": "function",
-                        "function": {"name": d.name, "arguments": ""}})
+                        "function": {"name": d.name, "arguments": d.arguments}})
+        elif out and out[-1]["index"] == d.index:
+            out[-1]["function"]["arguments"] += d.arguments
         elif d.arguments:
             out.append({"index": d.index, "function": {"arguments": d.arguments}})
     return out

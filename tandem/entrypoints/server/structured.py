@@ -178,7 +178,7 @@ class ToolPlan:
             return ToolCallParser("arguments", known, self.name)
         if self.choice == "required":
             return ToolCallParser("array", known)
-        return ToolCallParser(self.family, known)
+        return ToolCallParser(self.family, known, max_calls=None if self.parallel else 1)
 
 
 def plan_tools(tools: list[ChatTool] | None, tool_choice: str | NamedToolChoice | None,

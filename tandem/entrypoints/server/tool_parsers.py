@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import secrets
 import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 Family = Literal["hermes", "llama3_json"]
@@ -259,14 +259,20 @@ class ToolCallParser:
     """Feed generated text deltas; get content and tool-call deltas back.
 
     ``feed`` may hold text back (a possible ``<tool_call>`` tag not yet
-    complete); ``finish`` returns what is left. After ``finish``, ``calls`` and
-    ``valid`` say what was found: a whole response with a broken or unknown call
-    is rendered as plain content instead (see ``result``).
+    complete); ``finish`` returns what is left. Where the model chose to call
+    (hermes, llama3_json), a call is held until its JSON value has closed and is
+    sent only if every call in it names a known function with a JSON-object
+    argument; otherwise its text is content. So a stream never sends a call the
+    whole response would not hold, and ``calls`` is what was sent, at most
+    ``max_calls`` of them (``parallel_tool_calls: false``: later ones are
+    dropped, as vLLM drops them).
     """
 
-    def __init__(self, mode: Mode, known: set[str], name: str | None = None) -> None:
+    def __init__(self, mode: Mode, known: set[str], name: str | None = None,
+                 max_calls: int | None = None) -> None:
         self.mode = mode
         self.known = known
+        self.max_calls = max_calls
         self.calls: list[ToolCall] = []
         self.text = ""  # everything fed
         self.content = ""  # the content sent so far
@@ -275,7 +281,6 @@ class ToolCallParser:
         self._region = ""  # the text of the call being scanned, tag included
         self._region_calls = 0  # calls sent before it
         self._after_call = False  # hermes: a closing tag may follow
-        self._broken = False
         self._started = False  # llama3_json: the first non-space character decided
         self._calls_mode = False
         if mode == "arguments":
@@ -302,6 +307,9 @@ class ToolCallParser:
 
     def finish(self) -> list[Delta]:
         out, self._pending = self._pending, []
+        if self._scan is not None and self._held_calls:  # a call the output never closed
+            out.append(Delta(content=self._region))
+            self._scan = None
         if self._held:
             out.append(Delta(content=self._held))
             self._held = ""
@@ -368,13 +376,17 @@ class ToolCallParser:
                 if not stripped:
                     return
                 if (self.calls and self.mode == "array") or stripped[0] not in "[{":
-                    self._broken = True
                     return
                 self._begin("", out)
             buf = self._scan_chars(buf, out)
 
+    @property
+    def _held_calls(self) -> bool:
+        """Whether calls are held until their value closes: the model chose to call."""
+        return self.mode in ("hermes", "llama3_json")
+
     def _begin(self, tag: str, out: list[Delta]) -> None:
-        self._scan = _Scan(self.calls, out)
+        self._scan = _Scan([], []) if self._held_calls else _Scan(self.calls, out)
         self._region, self._region_calls = tag, len(self.calls)
 
 
@@ -386,12 +398,15 @@ class ToolCallParser:
         """
         scan = self._scan
         assert scan is not None
-        scan.out = out
+        if not self._held_calls:
+            scan.out = out
         for i, ch in enumerate(buf):
             scan.feed(ch)
             self._region += ch
+            if scan.done and self._held_calls and not self._accept(scan, out):
+                scan.broken = True
             if scan.broken:
-                self._broken, self._scan = True, None
+                self._scan = None
                 if len(self.calls) == self._region_calls:
                     out.append(Delta(content=self._region))
                 self._calls_mode = False  # llama3_json: the rest is content
@@ -402,25 +417,31 @@ class ToolCallParser:
                 return buf[i + 1:]
         return ""
 
-    # --------------------------------------------------------------- result
-    @property
-    def valid(self) -> bool:
-        """Every call closed, known by name, with JSON-object arguments."""
-        if self._broken or self._scan is not None or not self.calls:
+    def _accept(self, scan: _Scan, out: list[Delta]) -> bool:
+        """A held value's calls sent, if every one is a known function with an object
+        of arguments; the first ``max_calls`` of the response only."""
+        if not all(c.complete and c.name in self.known and is_json_object(c.arguments)
+                   for c in scan.calls):
             return False
-        return all(c.complete and c.name in self.known and is_json_object(c.arguments)
-                   for c in self.calls)
+        room = len(scan.calls) if self.max_calls is None else max(
+            0, min(len(scan.calls), self.max_calls - len(self.calls)))
+        base = len(self.calls)
+        self.calls += scan.calls[:room]
+        out += [replace(d, index=base + d.index) for d in scan.out
+                if d.index is not None and d.index < room]
+        return True
 
+    # --------------------------------------------------------------- result
     def result(self) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a whole response. When the model chose (hermes,
-        llama3_json), a response whose calls do not all parse is content, as vLLM's
-        parsers answer: it wrote something else. When a grammar forced the calls
-        (array, arguments), they are calls even if max_tokens cut the last one short,
-        as the stream sent them; finish_reason ``length`` says so."""
+        """(content, calls) of a whole response, as the stream sent them. When the
+        model chose (hermes, llama3_json), a call that does not parse, or names an
+        unknown function, is content: it wrote something else. When a grammar
+        forced the calls (array, arguments), they are calls even if max_tokens cut
+        the last one short; finish_reason ``length`` says so."""
         if self.mode in ("array", "arguments"):
             return None, self.calls
-        if not self.valid:
-            return self.text, []
+        if not self.calls:
+            return self.content, []
         return (self.content if self.content.strip() else None), self.calls
 
 
