@@ -98,6 +98,21 @@ CASES = [
      "options.num_predict: Value error, must be an integer"),
     ("/api/generate", {**OLLAMA, "options": {"num_predict": 2.5}}, 400, "num_predict"),
     ("/api/generate", {**OLLAMA, "stream": "false"}, 400, "stream"),
+    # A 400 names the field the client sent.
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens must be at least 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     400, "messages[0].content[0]: a text part needs its text"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400,
+     "messages[0].content is required for role 'user'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, 400,
+     "messages[0].content must not be an empty list"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}},
+     400, "stream_options is only allowed when stream is true"),
+    ("/v1/completions", {"prompt": "hi", "stream": False, "stream_options": {}}, 400,
+     "stream_options"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f"}] * 2}, 400,
+     "tools[1].name 'f' is given twice"),
     ("/v1/chat/completions", {"messages": CHAT, "temperature": [1]}, 400, "temperature"),
     ("/v1/chat/completions", {"messages": CHAT, "top_p": 0}, 400, "top_p"),
     ("/v1/chat/completions", {"messages": CHAT, "n": 0}, 400, "n must be"),
@@ -195,7 +210,7 @@ def test_bad_request_is_4xx_with_a_clear_message(real_server, path, body, status
 
 @pytest.mark.parametrize("field, value", [
     ("temperature", -1), ("top_p", 2), ("presence_penalty", 3), ("n", 0), ("stop", [""]),
-    ("max_tokens", 0)])
+    ("max_tokens", 0), ("max_completion_tokens", 0), ("stream_options", {})])
 def test_a_sampling_range_error_names_its_field(real_server, field, value):
     """OpenAI's error shape names the offending parameter, as pydantic's do."""
     r = httpx.post(f"{real_server.url}/v1/chat/completions", headers=real_server.headers,

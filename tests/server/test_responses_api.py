@@ -32,7 +32,7 @@ def client(real_server) -> openai.OpenAI:
 def test_create_text_with_instructions_and_usage(client, real_server):
     r = client.responses.create(model="smollm2", input="What is 2+2?", temperature=0,
                                 instructions="Answer briefly.", max_output_tokens=16)
-    assert r.object == "response" and r.id.startswith("resp")
+    assert r.object == "response" and r.id.startswith("resp_")
     assert r.status in ("completed", "incomplete") and r.output[0].type == "message"
     assert "4" in r.output_text
     assert r.usage.output_tokens <= 16 and r.usage.input_tokens > 0

@@ -69,6 +69,14 @@ def make_sampling_params(state: ServerState, max_tokens: int | None, **given) ->
         raise APIError(400, str(e), param=field if field in fields else None) from None
 
 
+def given_max_tokens(value: int | None, field: str) -> int | None:
+    """A token limit sent under another name than ``max_tokens`` (``max_completion_tokens``,
+    ``max_output_tokens``), checked here so its 400 names the field the client sent."""
+    if value is not None and value < 1:
+        raise APIError(400, f"{field} must be at least 1, got {value}", param=field)
+    return value
+
+
 def _check_bounds(state: ServerState, fields: dict) -> None:
     """The ranges SamplingParams leaves open, which a server must close."""
     seed = fields.get("seed")

@@ -273,7 +273,7 @@ async def _run(request: Request, state: ServerState,
                plan: ToolPlan | None = None) -> Response:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = _params(state, req.options, len(ids), logprobs, constraint)
-    gen = Generation(state, state.new_id("ollama"), [ids], [params])
+    gen = Generation(state, state.new_id("ollama-"), [ids], [params])
     view = _View(state, model, gen, t0, chat, plan.parser() if plan else None)
     await start(request, gen, constraint)
     if req.stream:

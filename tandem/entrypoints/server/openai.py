@@ -24,6 +24,7 @@ from tandem.entrypoints.server.errors import bad_request
 from tandem.entrypoints.server.generation import (
     Generation,
     fan_out,
+    given_max_tokens,
     make_sampling_params,
     open_ended_max_tokens,
     start,
@@ -141,7 +142,7 @@ async def completions(request: Request):
     per_prompt = fan_out(params)
     echo = [await _echo_text(state, req.prompt, ids, i) if req.echo else "" for i, ids in
             enumerate(prompts)]
-    gen = Generation(state, state.new_id("cmpl"), [ids for ids in prompts for _ in per_prompt],
+    gen = Generation(state, state.new_id("cmpl-"), [ids for ids in prompts for _ in per_prompt],
                      per_prompt * len(prompts))
     view = _View(state, req.model or state.card.name, gen, len(per_prompt), req.return_token_ids)
     await start(request, gen, constraint)  # from here on, gen.close() must run
@@ -194,14 +195,14 @@ async def chat_completions(request: Request):
                                 from_structured_outputs(req.structured_outputs),
                                 plan.constraint() if plan else None)
     ids = await _chat_ids(state, req.messages, req.add_generation_prompt, plan)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
-        else req.max_tokens
+    max_tokens = req.max_tokens if req.max_completion_tokens is None \
+        else given_max_tokens(req.max_completion_tokens, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = open_ended_max_tokens(state, len(ids))
     params = _params(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                      constraint)
     per_choice = fan_out(params)
-    gen = Generation(state, state.new_id("chatcmpl"), [ids] * len(per_choice), per_choice)
+    gen = Generation(state, state.new_id("chatcmpl-"), [ids] * len(per_choice), per_choice)
     view = _View(state, req.model or state.card.name, gen, len(per_choice), req.return_token_ids,
                  plan)
     await start(request, gen, constraint)
@@ -223,9 +224,12 @@ def flatten_content(content: str | list[TextPart] | None, where: str) -> str:
         return content
     texts = []
     for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
+        if part.type != "text":
             raise bad_request(f"{where}.content[{j}]: only text parts are supported, "
-                              f"got type {part.type!r}", "messages")
+                              f"got type {part.type!r}", f"{where}.content[{j}].type")
+        if part.text is None:
+            raise bad_request(f"{where}.content[{j}]: a text part needs its text",
+                              f"{where}.content[{j}].text")
         texts.append(part.text)
     return "\n".join(texts)
 
@@ -243,6 +247,12 @@ async def _chat_ids(state: ServerState, messages: list[ChatMessage],
         raise bad_request("messages must not be empty", "messages")
     flat = []
     for i, m in enumerate(messages):
+        # As OpenAI: only an assistant turn (which may be all tool calls) may leave it out.
+        if (m.content is None and m.role != "assistant") or m.content == []:
+            raise bad_request(f"messages[{i}].content is required for role {m.role!r}"
+                              if m.content is None else
+                              f"messages[{i}].content must not be an empty list",
+                              f"messages[{i}].content")
         msg: dict = {"role": "system" if m.role == "developer" else m.role,
                      "content": flatten_content(m.content, f"messages[{i}]")}
         if m.tool_calls:
@@ -270,6 +280,9 @@ def _params(state: ServerState, req: CompletionRequest | ChatCompletionRequest,
             ) -> SamplingParams:
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
+    if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM answer
+        raise bad_request("stream_options is only allowed when stream is true",
+                          "stream_options")
     return make_sampling_params(
         state, max_tokens, n=req.n, temperature=req.temperature, top_p=req.top_p,
         top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop,

@@ -26,6 +26,7 @@ from tandem.entrypoints.server.auth import require_api_key
 from tandem.entrypoints.server.errors import bad_request, from_validation_error
 from tandem.entrypoints.server.generation import (
     Generation,
+    given_max_tokens,
     make_sampling_params,
     open_ended_max_tokens,
     start,
@@ -80,21 +81,18 @@ async def responses(request: Request):
         raise bad_request("store=true is not supported: this server stores no responses",
                           "store")
     plan = plan_tools(_chat_tools(req), _chat_tool_choice(req), req.parallel_tool_calls,
-                      state.tokenizer.chat_template if req.tools else None)
+                      state.tokenizer.chat_template if req.tools else None, flat=True)
     constraint = one_constraint(from_text_format(req.text.format if req.text else None),
                                 plan.constraint() if plan else None)
     messages, tools = template_messages(_messages(req), plan)
     ids = await state.chat_ids(messages, tools=tools)
-    max_tokens = req.max_output_tokens
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"max_output_tokens must be at least 1, got {max_tokens}",
-                          "max_output_tokens")
+    max_tokens = given_max_tokens(req.max_output_tokens, "max_output_tokens")
     if max_tokens is None:
         max_tokens = open_ended_max_tokens(state, len(ids))
     params = make_sampling_params(
         state, max_tokens, temperature=req.temperature, top_p=req.top_p,
         structured_outputs=constraint.params if constraint else None)
-    gen = Generation(state, state.new_id("resp"), [ids], [params])
+    gen = Generation(state, state.new_id("resp_"), [ids], [params])
     view = _View(req, state.card.name if req.model is None else req.model, gen, plan)
     await start(request, gen, constraint)
     if req.stream:

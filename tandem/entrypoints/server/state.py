@@ -55,8 +55,9 @@ class ServerState:
         return self.engine.tokenizer is not None
 
     def new_id(self, prefix: str) -> str:
-        """Unique within this process (the engine requires it), short, readable in logs."""
-        return f"{prefix}-{self._salt}{next(self._ids):x}"
+        """Unique within this process (the engine requires it), short, readable in logs;
+        ``prefix`` with its separator, as each API writes its ids (``chatcmpl-``, ``resp_``)."""
+        return f"{prefix}{self._salt}{next(self._ids):x}"
 
     def check_model(self, requested: str | None, ollama: bool = False) -> None:
         if not self.card.matches(requested, ollama=ollama):

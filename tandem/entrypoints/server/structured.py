@@ -143,6 +143,10 @@ class ToolPlan:
     parallel: bool
     native: bool  # the chat template renders tools itself
     family: Family  # how the model writes calls when it decides to
+    fields: str = "function."  # where a tool's name and parameters are, for 400s
+
+    def param(self, i: int, field: str) -> str:
+        return f"tools[{i}].{self.fields}{field}"
 
     @property
     def names(self) -> list[str]:
@@ -156,7 +160,7 @@ class ToolPlan:
         arguments. Both as JSON schemas the grammar engine enforces."""
         if self.choice == "function":
             i = self.names.index(self.name)  # type: ignore[arg-type]
-            return _schema(self._parameters(i), f"tools[{i}].function.parameters")
+            return _schema(self._parameters(i), self.param(i, "parameters"))
         if self.choice != "required":
             return None
         calls = [{"type": "object", "properties": {
@@ -182,23 +186,25 @@ class ToolPlan:
 
 
 def plan_tools(tools: list[ChatTool] | None, tool_choice: str | NamedToolChoice | None,
-               parallel: bool, chat_template: str | None) -> ToolPlan | None:
-    """The request's tools checked against each other and tool_choice (400s name the field)."""
+               parallel: bool, chat_template: str | None, flat: bool = False
+               ) -> ToolPlan | None:
+    """The request's tools checked against each other and tool_choice (400s name the
+    field; ``flat``: the client sent the Responses API's flat tools, ``tools[i].name``)."""
     if not tools:
         if tool_choice not in (None, "none"):
             raise bad_request("tool_choice needs tools", "tool_choice")
         return None
+    fields = "" if flat else "function."
     seen: set[str] = set()
     for i, t in enumerate(tools):
+        where = f"tools[{i}].{fields}"
         if t.function.name in seen:
-            raise bad_request(f"tools[{i}].function.name {t.function.name!r} is given twice",
-                              f"tools[{i}].function.name")
+            raise bad_request(f"{where}name {t.function.name!r} is given twice", f"{where}name")
         seen.add(t.function.name)
         kind = (t.function.parameters or {}).get("type", "object")
         if kind != "object":  # a call's arguments are an object, as OpenAI requires
-            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema of "
-                              f"type 'object', got type {kind!r}",
-                              f"tools[{i}].function.parameters")
+            raise bad_request(f"{where}parameters must be a JSON schema of type 'object', "
+                              f"got type {kind!r}", f"{where}parameters")
     name = None
     if isinstance(tool_choice, NamedToolChoice):
         name = tool_choice.function.name
@@ -212,7 +218,8 @@ def plan_tools(tools: list[ChatTool] | None, tool_choice: str | NamedToolChoice 
         tools=[{"type": "function", "function": t.function.model_dump(exclude_none=True)}
                for t in tools],
         choice=choice, name=name, parallel=parallel,
-        native="tools" in (chat_template or ""), family=template_family(chat_template))
+        native="tools" in (chat_template or ""), family=template_family(chat_template),
+        fields=fields)
 
 
 def template_messages(messages: list[dict[str, Any]], plan: ToolPlan | None
