@@ -53,6 +53,34 @@ def test_max_output_tokens_makes_it_incomplete(client):
     assert r.usage.output_tokens == 3
 
 
+def test_logprobs_whole_and_streamed(client, real_server):
+    """top_logprobs and include=["message.output_text.logprobs"]: one entry per output
+    token, the chat completions API's shape and values, streamed with the text deltas."""
+    kwargs = dict(model="smollm2", input="What is 2+2?", temperature=0, max_output_tokens=40,
+                  top_logprobs=2, include=["message.output_text.logprobs"])
+    r = client.responses.create(**kwargs)
+    lps = r.output[0].content[0].logprobs
+    assert r.status == "completed" and r.top_logprobs == 2
+    assert len(lps) == r.usage.output_tokens  # the end-of-turn token's too, as in chat
+    assert "".join(e.token for e in lps).startswith(r.output_text)
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in lps)
+    chat = httpx.post(f"{real_server.url}/v1/chat/completions", headers=real_server.headers,
+                      json={"messages": [{"role": "user", "content": "What is 2+2?"}],
+                            "temperature": 0, "max_tokens": 40, "logprobs": True,
+                            "top_logprobs": 2}).json()
+    want = chat["choices"][0]["logprobs"]["content"]
+    assert [(e.token, round(e.logprob, 4)) for e in lps] == \
+        [(e["token"], round(e["logprob"], 4)) for e in want]
+    with client.responses.stream(**kwargs) as stream:
+        deltas = [e for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    streamed = [e for d in deltas for e in d.logprobs]
+    assert [e.token for e in streamed] == [e.token for e in lps]
+    assert [e.token for e in final.output[0].content[0].logprobs] == [e.token for e in lps]
+    plain = client.responses.create(model="smollm2", input="hi", max_output_tokens=2)
+    assert plain.output[0].content[0].logprobs == [] and plain.top_logprobs is None
+
+
 def test_stream_text_events_in_order(client):
     with client.responses.stream(model="smollm2", input="What is 2+2?", temperature=0,
                                  max_output_tokens=40) as stream:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
@@ -31,6 +30,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tandem import __version__
+from tandem.entrypoints.server import logprobs
 from tandem.entrypoints.server.auth import require_api_key
 from tandem.entrypoints.server.errors import bad_request
 from tandem.entrypoints.server.generation import (
@@ -222,8 +222,7 @@ def _check_common(state: ServerState, req: OllamaGenerateRequest | OllamaChatReq
     constraint = from_ollama_format(req.format)
     if req.think not in (None, False):
         raise bad_request(f'"{req.model}" does not support thinking')
-    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
-        raise bad_request(f"top_logprobs must be between 0 and 20, got {req.top_logprobs}")
+    logprobs.check_top(req.top_logprobs, "top_logprobs")
     return req.model, constraint
 
 
@@ -271,8 +270,8 @@ async def _run(request: Request, state: ServerState,
                req: OllamaGenerateRequest | OllamaChatRequest, model: str, ids: list[int],
                t0: float, constraint: Constraint | None, chat: bool = False,
                plan: ToolPlan | None = None) -> Response:
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = _params(state, req.options, len(ids), logprobs, constraint)
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    params = _params(state, req.options, len(ids), k, constraint)
     gen = Generation(state, state.new_id("ollama-"), [ids], [params])
     view = _View(state, model, gen, t0, chat, plan.parser() if plan else None)
     await start(request, gen, constraint)
@@ -294,7 +293,7 @@ class _View:
         self.gen = gen
         self.t0 = t0
         self.chat = chat
-        self.tok = state.engine.tokenizer
+        self._text = logprobs.token_text(state.engine.tokenizer)
         self.parser = parser
         self._sent_calls = 0  # tool calls already streamed
 
@@ -330,17 +329,9 @@ class _View:
 
     def _logprobs(self, outs: list[RequestOutput]) -> list[dict]:
         k = self.gen.choices[0].params.logprobs or 0
-        entries = []
-        for out in outs:
-            for tid, lps in zip(out.new_token_ids, out.new_logprobs or []):
-                top = sorted(lps.items(), key=lambda kv: -kv[1])[:k]
-                entries.append({"token": self._text(tid), "logprob": _finite(lps.get(tid)),
-                                "top_logprobs": [{"token": self._text(t), "logprob": _finite(v)}
-                                                 for t, v in top]})
-        return entries
-
-    def _text(self, tid: int) -> str:
-        return self.tok.decode([tid], skip_special_tokens=False) if self.tok else str(tid)
+        return [{"token": t, "logprob": lp,
+                 "top_logprobs": [{"token": u, "logprob": v} for u, v in top]}
+                for t, lp, top in logprobs.entries(outs, k, self._text)]
 
     def whole(self, outs: list[RequestOutput]) -> dict:
         final = outs[-1]
@@ -381,10 +372,6 @@ class _View:
 
 def _ns(seconds: float) -> int:
     return max(0, int(round(seconds * 1e9)))
-
-
-def _finite(x: float | None) -> float:
-    return x if x is not None and math.isfinite(x) else -9999.0
 
 
 def _line(obj: dict) -> bytes:

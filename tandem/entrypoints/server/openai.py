@@ -12,13 +12,13 @@ the same phase split an Ollama client gets from its counters.
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from tandem.entrypoints.server import logprobs
 from tandem.entrypoints.server.auth import require_api_key
 from tandem.entrypoints.server.errors import bad_request
 from tandem.entrypoints.server.generation import (
@@ -55,7 +55,6 @@ from tandem.outputs import RequestMetrics, RequestOutput
 from tandem.sampling_params import SamplingParams
 
 CompletionPrompt = str | list[str] | list[int] | list[list[int]]
-MAX_LOGPROBS = 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) legacy default
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -130,7 +129,7 @@ async def completions(request: Request):
     if req.echo and req.logprobs is not None:
         raise bad_request("echo with logprobs needs prompt logprobs, which tandem does not "
                           "compute", "echo")
-    _check_logprobs(req.logprobs, "logprobs")
+    logprobs.check_top(req.logprobs, "logprobs")
     batch = isinstance(req.prompt, list) and bool(req.prompt) and \
         not isinstance(req.prompt[0], int)
     state.check_fan_out(req.n, len(req.prompt) if batch else 1)
@@ -187,7 +186,7 @@ async def chat_completions(request: Request):
                           "functions")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-    _check_logprobs(req.top_logprobs, "top_logprobs")
+    logprobs.check_top(req.top_logprobs, "top_logprobs")
     state.check_fan_out(req.n)
     plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
                       state.tokenizer.chat_template if req.tools else None)
@@ -270,11 +269,6 @@ async def _chat_ids(state: ServerState, messages: list[ChatMessage],
 
 
 # ---------------------------------------------------------------- helpers
-def _check_logprobs(k: int | None, param: str) -> None:
-    if k is not None and not 0 <= k <= MAX_LOGPROBS:
-        raise bad_request(f"{param} must be between 0 and {MAX_LOGPROBS}, got {k}", param)
-
-
 def _params(state: ServerState, req: CompletionRequest | ChatCompletionRequest,
             max_tokens: int | None, logprobs: int | None, constraint: Constraint | None
             ) -> SamplingParams:
@@ -333,20 +327,13 @@ def phase_split(m: RequestMetrics | None) -> dict | None:
     return split
 
 
-_NEG = -9999.0  # vLLM's stand-in for -inf: JSON has no infinities
-
-
-def _finite(x: float) -> float:
-    return x if math.isfinite(x) else _NEG
-
-
 class _View:
     """Renders one Generation's outputs as OpenAI JSON (whole responses or chunks)."""
 
     def __init__(self, state: ServerState, model: str, gen: Generation, n: int,
                  return_token_ids: bool, plan: ToolPlan | None = None) -> None:
         self.state = state
-        self.tok = state.engine.tokenizer
+        self._token_text = logprobs.token_text(state.engine.tokenizer)
         self.model = model
         self.gen = gen
         self.n = n  # choices per prompt
@@ -383,47 +370,19 @@ class _View:
             out["choices"] = splits
         return out
 
-    def _token_text(self, tid: int) -> str:
-        if self.tok is None:
-            return f"token_id:{tid}"
-        return self.tok.decode([tid], skip_special_tokens=False)
-
-    def _logprob_entries(self, out: RequestOutput, k: int,
-                         with_sampled: bool = False) -> list[tuple[str, float, list]]:
-        """(token, logprob, top k) per new token; ``with_sampled``: the sampled
-        token joins its top k when it is not among them (the completions API's
-        up to logprobs + 1 entries)."""
-        entries = []
-        for tid, lps in zip(out.new_token_ids, out.new_logprobs or []):
-            top = sorted(lps.items(), key=lambda kv: -kv[1])[:k]
-            if with_sampled and all(t != tid for t, _ in top):
-                top.append((tid, lps.get(tid, _NEG)))
-            entries.append((self._token_text(tid), _finite(lps.get(tid, _NEG)),
-                            [(self._token_text(t), _finite(lp)) for t, lp in top]))
-        return entries
-
     def _completion_logprobs(self, index: int, outs: list[RequestOutput], k: int) -> dict:
         tokens, token_lps, tops, offsets = [], [], [], []
-        for out in outs:
-            for text, lp, top in self._logprob_entries(out, k, with_sampled=True):
-                tokens.append(text)
-                token_lps.append(lp)
-                tops.append(dict(top))
-                offsets.append(self._offsets[index])
-                self._offsets[index] += len(text)
+        for text, lp, top in logprobs.entries(outs, k, self._token_text, with_sampled=True):
+            tokens.append(text)
+            token_lps.append(lp)
+            tops.append(dict(top))
+            offsets.append(self._offsets[index])
+            self._offsets[index] += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                 "text_offset": offsets}
 
     def _chat_logprobs(self, outs: list[RequestOutput], k: int) -> dict:
-        content = []
-        for out in outs:
-            for text, lp, top in self._logprob_entries(out, k):
-                content.append({
-                    "token": text, "logprob": lp, "bytes": list(text.encode()),
-                    "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
-                                     for t, v in top],
-                })
-        return {"content": content}
+        return {"content": logprobs.token_logprobs(outs, k, self._token_text)}
 
     def _header(self, obj: str) -> dict:
         return {"id": self.gen.request_id, "object": obj, "created": self.created,

@@ -250,6 +250,8 @@ class ResponsesRequest(_Body):
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None  # "message.output_text.logprobs" is the one honoured
     stream: bool = False
     store: bool | None = None
     previous_response_id: str | None = None

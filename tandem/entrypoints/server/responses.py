@@ -15,13 +15,14 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
+from tandem.entrypoints.server import logprobs
 from tandem.entrypoints.server.auth import require_api_key
 from tandem.entrypoints.server.errors import bad_request, from_validation_error
 from tandem.entrypoints.server.generation import (
@@ -64,6 +65,9 @@ _ITEMS: dict[str, type[BaseModel]] = {
 }
 
 
+LOGPROBS = "message.output_text.logprobs"  # the include value that asks for them
+
+
 def _id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
@@ -89,11 +93,15 @@ async def responses(request: Request):
     max_tokens = given_max_tokens(req.max_output_tokens, "max_output_tokens")
     if max_tokens is None:
         max_tokens = open_ended_max_tokens(state, len(ids))
+    logprobs.check_top(req.top_logprobs, "top_logprobs")
+    want = req.top_logprobs is not None or LOGPROBS in (req.include or [])
     params = make_sampling_params(
         state, max_tokens, temperature=req.temperature, top_p=req.top_p,
+        logprobs=(req.top_logprobs or 0) if want else None,
         structured_outputs=constraint.params if constraint else None)
     gen = Generation(state, state.new_id("resp_"), [ids], [params])
-    view = _View(req, state.card.name if req.model is None else req.model, gen, plan)
+    view = _View(req, state.card.name if req.model is None else req.model, gen, plan,
+                 logprobs.token_text(state.engine.tokenizer))
     await start(request, gen, constraint)
     if req.stream:
         return ClosingStreamingResponse(view.events(), gen.close,
@@ -103,7 +111,7 @@ async def responses(request: Request):
         outs = await unless_disconnected(request, gen.collect())
     finally:
         gen.close()
-    return JSONResponse(view.whole(outs[0][-1]))
+    return JSONResponse(view.whole(outs[0]))
 
 
 def _chat_tools(req: ResponsesRequest) -> list[ChatTool]:
@@ -163,10 +171,13 @@ class _View:
     """One generation as a Response object, whole or as its stream of events."""
 
     def __init__(self, req: ResponsesRequest, model: str, gen: Generation,
-                 plan: ToolPlan | None) -> None:
+                 plan: ToolPlan | None, token_text: Callable[[int], str]) -> None:
         self.req = req
         self.model = model
         self.gen = gen
+        self.k = gen.choices[0].params.logprobs  # None: no logprobs asked for
+        self.token_text = token_text
+        self._logprobs: list[dict[str, Any]] = []  # tokens' not yet sent with text
         self.created = int(time.time())
         self.parser: ToolCallParser | None = plan.parser() if plan else None
         self.output: list[dict[str, Any]] = []
@@ -191,7 +202,8 @@ class _View:
             "store": False, "temperature": self.gen.choices[0].params.temperature,
             "text": {"format": fmt}, "tool_choice": tool_choice or "auto",
             "tools": [t.model_dump(exclude_none=True) for t in r.tools or []],
-            "top_p": self.gen.choices[0].params.top_p, "truncation": "disabled",
+            "top_p": self.gen.choices[0].params.top_p, "top_logprobs": r.top_logprobs,
+            "truncation": "disabled",
             "metadata": r.metadata or {}, "usage": None,
         }
         if final is not None:
@@ -210,7 +222,11 @@ class _View:
         return "incomplete" if final.finish_reason == "length" else "completed"
 
     # ----------------------------------------------------------------- whole
-    def whole(self, final: RequestOutput) -> dict[str, Any]:
+    def _token_logprobs(self, outs: list[RequestOutput]) -> list[dict[str, Any]]:
+        return [] if self.k is None else logprobs.token_logprobs(outs, self.k, self.token_text)
+
+    def whole(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        final = outs[-1]
         text = final.outputs[0].text
         if self.parser is None:
             content, calls = text, []
@@ -221,6 +237,7 @@ class _View:
         status = self._status(final)
         if content or not calls:
             self.output.append(_message(_id("msg"), content or "", status))
+            self.output[-1]["content"][0]["logprobs"] = self._token_logprobs(outs)
         self.output += [_function_call(_id("fc"), c.id, c.name, c.arguments, status)
                         for c in calls]
         return self.response(status, final)
@@ -237,6 +254,7 @@ class _View:
         yield self._event("response.in_progress", response=self.response("in_progress"))
         try:
             async for _, out in self.gen:
+                self._logprobs += self._token_logprobs([out])
                 if self.parser is None:
                     deltas = [Delta(content=out.delta_text)] if out.delta_text else []
                 else:
@@ -272,10 +290,7 @@ class _View:
                     output_index=len(self.output) - 1, content_index=0,
                     part=_output_text("")))
                 self._text["content"] = [_output_text("")]
-            self._text["content"][0]["text"] += d.content
-            events.append(self._event("response.output_text.delta", item_id=self._text["id"],
-                                      output_index=len(self.output) - 1, content_index=0,
-                                      delta=d.content, logprobs=[]))
+            events.append(self._text_delta(d.content))
         elif d.call_id is not None:
             events += self._close_items("completed")
             self._call = _function_call(_id("fc"), d.call_id, d.name or "", "", "in_progress")
@@ -289,17 +304,31 @@ class _View:
                                       output_index=len(self.output) - 1, delta=d.arguments))
         return events
 
+    def _text_delta(self, text: str) -> bytes:
+        """The open text item's next delta, with the tokens since the last one (text a
+        possible tag held back, or a tool call's, has none of its own)."""
+        assert self._text is not None
+        sent, self._logprobs = self._logprobs, []
+        part = self._text["content"][0]
+        part["text"] += text
+        part["logprobs"] += sent
+        return self._event("response.output_text.delta", item_id=self._text["id"],
+                           output_index=self.output.index(self._text), content_index=0,
+                           delta=text, logprobs=sent)
+
     def _close_items(self, status: str) -> list[bytes]:
         return self._close_text(status) + self._close_call(status)
 
     def _close_text(self, status: str) -> list[bytes]:
-        item, self._text = self._text, None
-        if item is None:
+        if self._text is None:
             return []
+        # Tokens with no text of their own (the end of the turn) close with an empty delta.
+        flush = [self._text_delta("")] if self._logprobs else []
+        item, self._text = self._text, None
         index = self.output.index(item)
         part = item["content"][0]
         item["status"] = status
-        return [
+        return flush + [
             self._event("response.output_text.done", item_id=item["id"], output_index=index,
                         content_index=0, text=part["text"], logprobs=[]),
             self._event("response.content_part.done", item_id=item["id"], output_index=index,

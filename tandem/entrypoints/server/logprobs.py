@@ -1,0 +1,62 @@
+"""Log probabilities as the APIs write them, from the engine's per-token dicts.
+
+One reading of a RequestOutput's ``new_logprobs`` for every API: OpenAI's
+completions (parallel lists), chat completions and the Responses API
+(``{token, logprob, bytes, top_logprobs}`` per token), and Ollama's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+from tandem.entrypoints.server.errors import bad_request
+from tandem.outputs import RequestOutput
+from tandem.tokenizer import Tokenizer
+
+MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+NEG = -9999.0  # vLLM's stand-in for -inf: JSON has no infinities
+
+Entry = tuple[str, float, list[tuple[str, float]]]  # (token, logprob, its top k)
+
+
+def check_top(k: int | None, param: str) -> None:
+    """A 400 naming ``param`` unless ``k`` alternatives per token is within OpenAI's bound."""
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise bad_request(f"{param} must be between 0 and {MAX_LOGPROBS}, got {k}", param)
+
+
+def token_text(tok: Tokenizer | None) -> Callable[[int], str]:
+    """A token's text as the APIs show it (vLLM's ``token_id:N`` without a tokenizer)."""
+    if tok is None:
+        return lambda tid: f"token_id:{tid}"
+    return lambda tid: tok.decode([tid], skip_special_tokens=False)
+
+
+def finite(x: float | None) -> float:
+    return x if x is not None and math.isfinite(x) else NEG
+
+
+def entries(outs: Iterable[RequestOutput], k: int, text: Callable[[int], str],
+            with_sampled: bool = False) -> list[Entry]:
+    """(token, logprob, top k) per new token of ``outs``; ``with_sampled``: the sampled
+    token joins its top k when it is not among them (the completions API's up to
+    logprobs + 1 entries)."""
+    found = []
+    for out in outs:
+        for tid, lps in zip(out.new_token_ids, out.new_logprobs or []):
+            top = sorted(lps.items(), key=lambda kv: -kv[1])[:k]
+            if with_sampled and all(t != tid for t, _ in top):
+                top.append((tid, lps.get(tid, NEG)))
+            found.append((text(tid), finite(lps.get(tid)),
+                          [(text(t), finite(lp)) for t, lp in top]))
+    return found
+
+
+def token_logprobs(outs: Iterable[RequestOutput], k: int, text: Callable[[int], str]
+                   ) -> list[dict]:
+    """Chat completions' ``logprobs.content`` and the Responses API's ``logprobs``."""
+    return [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+             "top_logprobs": [{"token": u, "logprob": v, "bytes": list(u.encode())}
+                              for u, v in top]}
+            for t, lp, top in entries(outs, k, text)]
