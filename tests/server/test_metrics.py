@@ -148,3 +148,29 @@ def test_version_and_health(start_server, tiny_config_path, server):
     assert r.status_code == 503 and "not running" in r.json()["error"]
     r = httpx.post(f"{other.url}/v1/completions", json={"prompt": [1], "max_tokens": 2})
     assert r.status_code == 503 and "shut down" in r.json()["error"]["message"]
+
+
+def test_head_probes_and_cors(start_server, tiny_config_path, server):
+    """Ollama's HEAD probes answer; a page on this machine may call the APIs from a browser
+    (a preflight with the Authorization header passes) and another site may not, unless
+    --allowed-origins names it."""
+    for path in ("/", "/api/version", "/api/tags"):
+        assert httpx.head(f"{server.url}{path}").status_code == 200, path
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    local = httpx.options(f"{server.url}/v1/chat/completions",
+                          headers={"Origin": "http://localhost:3000", **preflight})
+    assert local.status_code == 200
+    assert local.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert "authorization" in local.headers["access-control-allow-headers"].lower()
+    r = httpx.get(f"{server.url}/v1/models", headers={"Origin": "http://127.0.0.1:8080"})
+    assert r.headers["access-control-allow-origin"] == "http://127.0.0.1:8080"
+    site = {"Origin": "https://example.com"}
+    assert httpx.options(f"{server.url}/v1/chat/completions",
+                         headers={**site, **preflight}).status_code == 400
+    r = httpx.get(f"{server.url}/v1/models", headers=site)
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    other = start_server(tiny_engine(tiny_config_path),
+                         ServerConfig(allowed_origins=["https://example.com"]))
+    r = httpx.options(f"{other.url}/api/chat", headers={**site, **preflight})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == site["Origin"]

@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import State
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -41,6 +42,10 @@ from tandem.entrypoints.server.stats import StatsLogger
 logger = logging.getLogger("tandem.entrypoints.server")
 
 Loader = Callable[[], EngineClient]
+# Browser pages that may call the APIs unless --allowed-origins says otherwise: what
+# Ollama allows by default (pages served from this machine, desktop apps' schemes).
+LOCAL_ORIGINS = (r"(https?://(localhost|127\.0\.0\.1|0\.0\.0\.0|\[::1\])(:\d+)?"
+                 r"|(app|file|tauri|vscode-webview)://.*)")
 # Answer while the model loads: they need no engine, and clients probe them
 # to find out whether a server is there at all (Ollama's CLI: HEAD /).
 OPEN_WHILE_LOADING = frozenset({"/version", "/api/version", "/"})
@@ -64,6 +69,7 @@ class ServerConfig:
 
     served_model_names: list[str] | None = None
     api_key: str | None = None
+    allowed_origins: list[str] | None = None  # None: LOCAL_ORIGINS; ["*"]: any
     max_queue: int | None = None
     max_body_bytes: int = 16 * 2**20
     stats_interval_s: float = 10.0
@@ -107,6 +113,11 @@ def build_app(engine: EngineClient | Loader, config: ServerConfig | None = None)
         app.state.tandem = _server_state(engine, config)
     app.add_middleware(_UntilReady, app_state=app.state)
     app.add_middleware(_NoUnhandledErrors)
+    # Outermost, so a browser's preflight is answered before the gate or a route's key.
+    origins = config.allowed_origins
+    app.add_middleware(CORSMiddleware, allow_origins=origins or [],
+                       allow_origin_regex=None if origins else LOCAL_ORIGINS,
+                       allow_methods=["*"], allow_headers=["*"])
     app.include_router(openai.router)
     app.include_router(responses.router)
     app.include_router(ollama.public)
@@ -310,7 +321,8 @@ def serve(args, load: Loader) -> int:
 
     return run_server(logged_load, ServerConfig(
         served_model_names=args.served_model_name, api_key=args.api_key,
-        max_queue=args.max_queue, stats_interval_s=args.stats_interval,
+        allowed_origins=args.allowed_origins, max_queue=args.max_queue,
+        stats_interval_s=args.stats_interval,
         generation_config=generation_config, override_generation_config=override,
         dashboard=dashboard_config,
     ), host=args.host, port=args.port, access_log=args.access_log)

@@ -16,6 +16,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on the API routes "
                         "(default: $TANDEM_API_KEY, else none)")
+    g.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="browser origins (CORS) that may call the APIs, e.g. "
+                        "https://chat.example.com, or '*' for any (default: pages on this "
+                        "machine, http(s)://localhost or 127.0.0.1 at any port, and app://, "
+                        "file://, tauri://, vscode-webview://, as Ollama allows)")
     g.add_argument("--max-queue", type=int, default=None,
                    help="requests that may wait beyond the running batch before new ones get "
                         "503 + Retry-After at once (default: --max-num-seqs, about one "

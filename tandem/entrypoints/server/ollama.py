@@ -82,6 +82,7 @@ async def root() -> PlainTextResponse:
 
 
 @public.get("/api/version")
+@public.head("/api/version")
 async def version() -> dict:
     return {"version": OLLAMA_API_VERSION, "tandem_version": __version__}
 
@@ -98,6 +99,7 @@ def _details(state: ServerState) -> dict:
 
 
 @router.get("/api/tags")
+@router.head("/api/tags")
 async def tags(request: Request) -> dict:
     state = _state(request)
     c = state.card
