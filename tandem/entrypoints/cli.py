@@ -1,4 +1,4 @@
-"""tandem's command line: serve | generate | chat | plan | doctor | bench."""
+"""tandem's command line: serve | generate | chat | plan | doctor | bench | top."""
 
 from __future__ import annotations
 

@@ -28,6 +28,8 @@ def test_help_lists_the_three_commands(capsys):
     (["--extra-body", "{nope"], "--extra-body is not JSON"),
     (["--max-concurrency", "0", "--skip-tokenizer-init"], "--max-concurrency"),
     (["--request-rate", "0", "--skip-tokenizer-init"], "--request-rate"),
+    (["--request-rate", "-1"], "--request-rate must be positive"),
+    (["--burstiness", "0"], "--burstiness must be positive"),
     (["--backend", "openai-chat", "--skip-tokenizer-init"], "use --backend openai"),
     (["--sweep", "batch=1,2", "--skip-tokenizer-init"], "--sweep 'batch=1,2'"),
     (["--random-input-len", "4000", "--skip-tokenizer-init"], "context window of 4096"),
@@ -35,9 +37,9 @@ def test_help_lists_the_three_commands(capsys):
 def test_bad_flags_are_one_line_errors(fake_server, capsys, args, message):
     url = fake_server(FakePlan())
     assert main(["bench", "serve", "--base-url", url, "--num-prompts", "2", *args]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("tandem bench: error:") and message in err
-    assert "\n" not in err
+    out, err = capsys.readouterr()
+    assert err.strip().startswith("tandem bench: error:") and message in err
+    assert "\n" not in err.strip() and "Traffic request rate" not in out  # nothing ran
 
 
 def test_parse_sweep():

@@ -28,13 +28,22 @@ import numpy as np
 from tandem.tools.bench.client import RequestFunc, RequestInput, RequestResult, send
 
 
-def arrival_times(n: int, request_rate: float, burstiness: float,
-                  rng: np.random.Generator) -> np.ndarray:
-    """Seconds after the start at which each of ``n`` requests is sent."""
+def check_load(request_rate: float = math.inf, burstiness: float = 1.0,
+               max_concurrency: int | None = None) -> None:
+    """ValueError unless the load's settings are positive (inf allowed for the first two):
+    checked before a run prints anything, and by each function that takes them."""
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be positive, got {max_concurrency}")
     if not request_rate > 0:
         raise ValueError(f"--request-rate must be positive (or inf), got {request_rate}")
     if not burstiness > 0:
         raise ValueError(f"--burstiness must be positive, got {burstiness}")
+
+
+def arrival_times(n: int, request_rate: float, burstiness: float,
+                  rng: np.random.Generator) -> np.ndarray:
+    """Seconds after the start at which each of ``n`` requests is sent."""
+    check_load(request_rate, burstiness)
     if math.isinf(request_rate):
         return np.zeros(n)
     if math.isinf(burstiness):
@@ -67,8 +76,7 @@ async def run_requests(client: httpx.AsyncClient, func: RequestFunc,
                        max_concurrency: int | None, timeout: float | None,
                        desc: str = "requests", disable_progress: bool = False) -> RunOutput:
     """Send ``inputs[i]`` at ``times[i]``, at most ``max_concurrency`` in flight."""
-    if max_concurrency is not None and max_concurrency < 1:
-        raise ValueError(f"--max-concurrency must be positive, got {max_concurrency}")
+    check_load(max_concurrency=max_concurrency)
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = _progress(len(inputs), desc, disable_progress)
 

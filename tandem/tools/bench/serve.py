@@ -41,7 +41,7 @@ from tandem.tools.bench.report import (
     strip_detailed,
     write_json,
 )
-from tandem.tools.bench.runner import arrival_times, make_client, run_requests
+from tandem.tools.bench.runner import arrival_times, check_load, make_client, run_requests
 from tandem.tools.bench.server_metrics import MetricsWatcher
 from tandem.tools.bench.target import Target, parse_headers, resolve_seed, resolve_target
 from tandem.tools.bench.tokens import PromptBuilder, TextTokenizer, choose_tokenizer
@@ -77,6 +77,7 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         raise ValueError(f"--num-warmups must be >= 0, got {a.num_warmups}")
     if a.request_timeout is not None and a.request_timeout <= 0:
         raise ValueError(f"--request-timeout must be positive, got {a.request_timeout}")
+    check_load(a.request_rate, a.burstiness, a.max_concurrency)
     return Settings(
         percentiles=parse_percentiles(a.metric_percentiles),
         percentile_metrics=parse_percentile_metrics(a.percentile_metrics),
