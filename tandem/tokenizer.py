@@ -90,8 +90,9 @@ class Tokenizer:
         return longest * (1 if self.backend.normalizer is None else 4)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> str:
-        """The chat template applied to ``messages`` (and ``tools``, OpenAI's shape), as text."""
+                    tools: list[dict] | None = None, continue_final: bool = False) -> str:
+        """The chat template applied to ``messages`` (and ``tools``, OpenAI's shape), as
+        text; ``continue_final``: the last message left open, for the model to go on with."""
         if not self._hf.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         _check_messages(messages)
@@ -99,16 +100,18 @@ class Tokenizer:
             return self._hf.apply_chat_template(
                 messages, tools=tools, tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final,
             )
-        except TemplateError as e:  # e.g. "roles must alternate user/assistant"
+        except (TemplateError, ValueError) as e:  # "roles must alternate user/assistant";
+            # a final message the template does not write as given cannot be continued
             raise ValueError(f"chat template rejected the messages: {e}") from e
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True,
-        tools: list[dict] | None = None,
+        tools: list[dict] | None = None, continue_final: bool = False,
     ) -> list[int]:
         """Prompt token ids for a chat; the template writes its own special tokens (bos too)."""
-        text = self.render_chat(messages, add_generation_prompt, tools)
+        text = self.render_chat(messages, add_generation_prompt, tools, continue_final)
         return self.encode(text, add_special_tokens=False)
 
 

@@ -53,6 +53,14 @@ def test_generate_streaming_one_object_per_token(client):
     assert "".join(p.response for p in parts) == " 4, 5, 6"
 
 
+def test_a_last_assistant_message_is_continued(client):
+    """As Ollama: a trailing assistant message is a prefix the model goes on with."""
+    messages = [*CHAT, {"role": "assistant", "content": "The answer is"}]
+    r = client.chat(model="smollm2", messages=messages, stream=False,
+                    options={**GREEDY, "num_predict": 4})
+    assert r.message.content.lstrip().startswith("4")  # a new turn begins "The answer to"
+
+
 def test_chat_streaming_and_not_agree(client):
     whole = client.chat(model="smollm2", messages=CHAT, stream=False, options=GREEDY)
     assert whole.message.role == "assistant" and "4" in whole.message.content

@@ -222,3 +222,23 @@ def test_tokenize_detokenize_round_trip(real_server):
     assert text == "hello world"
     r = httpx.post(f"{real_server.url}/detokenize", json={"tokens": [10**9]}, headers=h)
     assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+
+
+def test_continue_final_message(client, real_server):
+    """vLLM's continue_final_message: the last (assistant) message is left open and the
+    model goes on with it; the prompt ends with its text, not a new turn's header."""
+    messages = [*CHAT, {"role": "assistant", "content": "The answer is"}]
+    body = {"messages": messages, "add_generation_prompt": False,
+            "continue_final_message": True}
+    h = real_server.headers
+    ids = httpx.post(f"{real_server.url}/tokenize", json=body, headers=h).json()["tokens"]
+    text = httpx.post(f"{real_server.url}/detokenize", json={"tokens": ids},
+                      headers=h).json()["prompt"]
+    assert text.endswith("<|im_start|>assistant\nThe answer is")
+    r = client.chat.completions.create(model="smollm2", messages=messages, temperature=0,
+                                       max_tokens=4, extra_body=body)
+    assert r.usage.prompt_tokens == len(ids) and "4" in r.choices[0].message.content
+    bad = httpx.post(f"{real_server.url}/v1/chat/completions", headers=h,
+                     json={**body, "add_generation_prompt": True})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "continue_final_message"

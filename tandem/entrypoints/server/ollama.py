@@ -212,7 +212,10 @@ async def chat(request: Request):
             msg["name"] = m.tool_name
         messages.append(msg)
     messages, tools = template_messages(messages, plan)
-    ids = await state.chat_ids(messages, tools=tools)
+    # A last assistant message with text is continued, not answered, as Ollama does.
+    last = req.messages[-1]
+    go_on = last.role == "assistant" and bool(last.content) and not last.tool_calls
+    ids = await state.chat_ids(messages, not go_on, tools, continue_final=go_on)
     return await _run(request, state, req, model, ids, t0, constraint, chat=True, plan=plan)
 
 

@@ -32,7 +32,6 @@ from tandem.entrypoints.server.generation import (
 )
 from tandem.entrypoints.server.protocol import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     TextPart,
@@ -97,7 +96,7 @@ async def tokenize(request: Request) -> dict:
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("send either 'prompt' or 'messages'", "prompt")
     if req.messages is not None:
-        ids = await _chat_ids(state, req.messages, req.add_generation_prompt)
+        ids = await _chat_ids(state, req)
     else:
         ids = (await state.encode([req.prompt], "prompt", req.add_special_tokens))[0]
     return {"count": len(ids), "max_model_len": state.card.max_model_len, "tokens": ids}
@@ -193,7 +192,7 @@ async def chat_completions(request: Request):
     constraint = one_constraint(from_response_format(req.response_format),
                                 from_structured_outputs(req.structured_outputs),
                                 plan.constraint() if plan else None)
-    ids = await _chat_ids(state, req.messages, req.add_generation_prompt, plan)
+    ids = await _chat_ids(state, req, plan)
     max_tokens = req.max_tokens if req.max_completion_tokens is None \
         else given_max_tokens(req.max_completion_tokens, "max_completion_tokens")
     if max_tokens is None:
@@ -233,17 +232,22 @@ def flatten_content(content: str | list[TextPart] | None, where: str) -> str:
     return "\n".join(texts)
 
 
-async def _chat_ids(state: ServerState, messages: list[ChatMessage],
-                    add_generation_prompt: bool, plan: ToolPlan | None = None) -> list[int]:
+async def _chat_ids(state: ServerState, req: ChatCompletionRequest | TokenizeRequest,
+                    plan: ToolPlan | None = None) -> list[int]:
     """The chat template's token ids, rendered and encoded in a tokenizer thread.
 
     OpenAI's "developer" role is its newer name for "system", which is what
     chat templates know; an assistant's tool calls reach the template with
     their arguments as objects (HF's convention), a tool result with its
-    ``tool_call_id``.
+    ``tool_call_id``. ``continue_final_message`` (vLLM's) leaves the last message open
+    for the model to go on with, instead of a new assistant turn.
     """
+    messages = req.messages
     if not messages:
         raise bad_request("messages must not be empty", "messages")
+    if req.continue_final_message and req.add_generation_prompt:  # as vLLM answers
+        raise bad_request("continue_final_message needs add_generation_prompt=false",
+                          "continue_final_message")
     flat = []
     for i, m in enumerate(messages):
         # As OpenAI: only an assistant turn (which may be all tool calls) may leave it out.
@@ -265,7 +269,8 @@ async def _chat_ids(state: ServerState, messages: list[ChatMessage],
             msg["tool_call_id"] = m.tool_call_id
         flat.append(msg)
     flat, tools = template_messages(flat, plan)
-    return await state.chat_ids(flat, add_generation_prompt, tools)
+    return await state.chat_ids(flat, req.add_generation_prompt, tools,
+                                req.continue_final_message)
 
 
 # ---------------------------------------------------------------- helpers

@@ -119,7 +119,8 @@ class ServerState:
         return await self.off_loop(lambda: [tok.encode(t, add_special_tokens) for t in texts])
 
     async def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True,
-                       tools: list[dict] | None = None) -> list[int]:
+                       tools: list[dict] | None = None, continue_final: bool = False
+                       ) -> list[int]:
         """Both APIs' chat prompt: bounded (more characters than the context holds are
         refused first), then templated and encoded off the event loop."""
         tok = self.tokenizer
@@ -128,6 +129,6 @@ class ServerState:
         self._check_text(chars + len(json.dumps(tools or "")), "messages")
         try:
             return await self.off_loop(tok.apply_chat_template, messages, add_generation_prompt,
-                                       tools)
+                                       tools, continue_final)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
