@@ -16,8 +16,15 @@ import json
 import os
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 from jinja2 import TemplateError
+
+# apply_chat_template's own arguments: chat_template_kwargs must not reach them.
+TEMPLATE_ARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 class Tokenizer:
@@ -90,17 +97,23 @@ class Tokenizer:
         return longest * (1 if self.backend.normalizer is None else 4)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, continue_final: bool = False) -> str:
+                    tools: list[dict] | None = None, continue_final: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
         """The chat template applied to ``messages`` (and ``tools``, OpenAI's shape), as
-        text; ``continue_final``: the last message left open, for the model to go on with."""
+        text; ``continue_final``: the last message left open, for the model to go on with;
+        ``template_kwargs``: more variables for the template (Qwen3's ``enable_thinking``)."""
         if not self._hf.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         _check_messages(messages)
+        reserved = sorted((template_kwargs or {}).keys() & TEMPLATE_ARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the "
+                             "request's own fields do")
         try:
             return self._hf.apply_chat_template(
                 messages, tools=tools, tokenize=False,
                 add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final,
+                continue_final_message=continue_final, **(template_kwargs or {}),
             )
         except (TemplateError, ValueError) as e:  # "roles must alternate user/assistant";
             # a final message the template does not write as given cannot be continued
@@ -109,9 +122,11 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True,
         tools: list[dict] | None = None, continue_final: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Prompt token ids for a chat; the template writes its own special tokens (bos too)."""
-        text = self.render_chat(messages, add_generation_prompt, tools, continue_final)
+        text = self.render_chat(messages, add_generation_prompt, tools, continue_final,
+                                template_kwargs)
         return self.encode(text, add_special_tokens=False)
 
 

@@ -61,6 +61,18 @@ def test_a_last_assistant_message_is_continued(client):
     assert r.message.content.lstrip().startswith("4")  # a new turn begins "The answer to"
 
 
+def test_think_false_is_accepted_and_true_refused(client):
+    """think=false reaches a template's enable_thinking (none here: the same reply);
+    think=true needs a thinking model, which this is not, as Ollama answers."""
+    plain = client.chat(model="smollm2", messages=CHAT, stream=False, options=GREEDY)
+    off = client.chat(model="smollm2", messages=CHAT, stream=False, options=GREEDY,
+                      think=False)
+    assert off.message.content == plain.message.content
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model="smollm2", messages=CHAT, stream=False, think=True)
+    assert e.value.status_code == 400 and "does not support thinking" in e.value.error
+
+
 def test_chat_streaming_and_not_agree(client):
     whole = client.chat(model="smollm2", messages=CHAT, stream=False, options=GREEDY)
     assert whole.message.role == "assistant" and "4" in whole.message.content

@@ -198,3 +198,18 @@ def test_tools_and_calls_reach_a_template_that_renders_them():
 def test_a_stream_never_drops_text_that_is_not_a_call(mode, text, step):
     content, calls, p = run(mode, text, step)
     assert calls == {} and content == text and p.result() == (text, [])
+
+
+def test_chat_template_kwargs_reach_the_template():
+    """vLLM's chat_template_kwargs: variables a template reads (Qwen3's enable_thinking);
+    the ones apply_chat_template takes itself are refused, not silently overridden."""
+    tok = Tokenizer.from_dir(gguf_to_hf_dir(default_model_path()))
+    tok._hf.chat_template = (
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}")
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.render_chat(messages) == "hi"
+    assert tok.render_chat(messages, template_kwargs={"enable_thinking": False}) == \
+        "hi<no-think>"
+    with pytest.raises(ValueError, match="may not set add_generation_prompt, tools"):
+        tok.render_chat(messages, template_kwargs={"tools": [], "add_generation_prompt": 1})

@@ -183,7 +183,7 @@ async def generate(request: Request):
             messages = [{"role": "user", "content": prompt}]
             if req.system:
                 messages.insert(0, {"role": "system", "content": req.system})
-            ids += await state.chat_ids(messages)
+            ids += await state.chat_ids(messages, template_kwargs=_no_thinking(req))
     return await _run(request, state, req, model, ids, t0, constraint)
 
 
@@ -215,8 +215,15 @@ async def chat(request: Request):
     # A last assistant message with text is continued, not answered, as Ollama does.
     last = req.messages[-1]
     go_on = last.role == "assistant" and bool(last.content) and not last.tool_calls
-    ids = await state.chat_ids(messages, not go_on, tools, continue_final=go_on)
+    ids = await state.chat_ids(messages, not go_on, tools, continue_final=go_on,
+                               template_kwargs=_no_thinking(req))
     return await _run(request, state, req, model, ids, t0, constraint, chat=True, plan=plan)
+
+
+def _no_thinking(req: OllamaGenerateRequest | OllamaChatRequest) -> dict[str, bool] | None:
+    """think=false reaches a template that can turn thinking off (Qwen3's enable_thinking);
+    templates without that variable ignore it."""
+    return {"enable_thinking": False} if req.think is False else None
 
 
 def _check_common(state: ServerState, req: OllamaGenerateRequest | OllamaChatRequest

@@ -270,7 +270,7 @@ async def _chat_ids(state: ServerState, req: ChatCompletionRequest | TokenizeReq
         flat.append(msg)
     flat, tools = template_messages(flat, plan)
     return await state.chat_ids(flat, req.add_generation_prompt, tools,
-                                req.continue_final_message)
+                                req.continue_final_message, req.chat_template_kwargs)
 
 
 # ---------------------------------------------------------------- helpers

@@ -170,6 +170,7 @@ class ChatCompletionRequest(_OpenAISampling):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the last message goes on, no new turn
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's, e.g. enable_thinking
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -183,6 +184,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body):

@@ -9,7 +9,7 @@ import secrets
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 
@@ -119,16 +119,19 @@ class ServerState:
         return await self.off_loop(lambda: [tok.encode(t, add_special_tokens) for t in texts])
 
     async def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True,
-                       tools: list[dict] | None = None, continue_final: bool = False
-                       ) -> list[int]:
+                       tools: list[dict] | None = None, continue_final: bool = False,
+                       template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Both APIs' chat prompt: bounded (more characters than the context holds are
         refused first), then templated and encoded off the event loop."""
         tok = self.tokenizer
         chars = sum(len(m["content"]) + len(json.dumps(m.get("tool_calls") or ""))
                     for m in messages)
-        self._check_text(chars + len(json.dumps(tools or "")), "messages")
+        extra = len(json.dumps(tools or "")) + len(json.dumps(template_kwargs or ""))
+        self._check_text(chars + extra, "messages")
         try:
             return await self.off_loop(tok.apply_chat_template, messages, add_generation_prompt,
-                                       tools, continue_final)
+                                       tools, continue_final, template_kwargs)
         except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
+            field = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") \
+                else "messages"
+            raise APIError(400, str(e), param=field) from None
