@@ -191,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"tandem {a.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a file the user named or the cache: unreadable, unwritable, full
+        print(f"tandem {a.command}: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

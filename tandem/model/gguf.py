@@ -209,7 +209,11 @@ def gguf_to_hf_dir(path: str | os.PathLike, cache_root: str | os.PathLike | None
     final = base / name
     if (final / "config.json").is_file():
         return final
-    base.mkdir(parents=True, exist_ok=True)
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create the cache folder {base} ({e.strerror}): set "
+                         "TANDEM_CACHE to a writable folder") from None
     with _file_lock(base / f".{name}.lock"):
         if (final / "config.json").is_file():  # another process finished it
             return final

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import socket
@@ -12,6 +14,7 @@ import time
 import httpx
 
 from tandem.entrypoints.cli import main
+from tests.conftest import TINY_CONFIG
 
 
 def _free_port() -> int:
@@ -61,6 +64,37 @@ def test_serve_subprocess_end_to_end(tiny_config_path):
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out
     assert "max_queue 3" in out and "finished (length)" in out  # startup and per-request logs
+
+
+def test_ctrl_c_while_the_model_loads_exits_cleanly(tmp_path):
+    """SIGINT during a load of several seconds: exit 130 at once, not the SIGABRT the
+    interpreter's exit beside the loader thread (inside torch) gave."""
+    config = {**TINY_CONFIG, "hidden_size": 2048, "intermediate_size": 8192,
+              "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "head_dim": 64, "vocab_size": 32000, "max_position_embeddings": 2048}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.entrypoints.cli", "serve", "--port", str(port),
+         "--model", str(path), "--load-format", "dummy", "--skip-tokenizer-init",
+         "--quantization", "int8", "--kv-cache-memory", "64MiB"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "TANDEM_API_KEY": ""})
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # listening, and still loading
+            assert proc.poll() is None and time.monotonic() < deadline
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 503:
+                    break
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out
+    assert "stopped while the model was loading" in out and "terminate called" not in out
 
 
 def test_serve_rejects_bad_flags_before_loading(capsys):

@@ -63,3 +63,14 @@ def test_config_names_the_flag_in_errors(kwargs, message):
 
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kwargs)
+
+
+def test_an_unusable_cache_folder_is_one_line_and_exit_2(monkeypatch, tmp_path, capsys):
+    """TANDEM_CACHE under a file (or anywhere unwritable): one line naming the fix, no
+    traceback."""
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "afile" / "cache"))
+    assert cli.main(["generate", "--max-tokens", "1", "Hello"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tandem generate: error: cannot create the cache folder")
+    assert "TANDEM_CACHE" in err and err.count("\n") == 1

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import threading
 import time
 import traceback
@@ -389,10 +390,11 @@ def run_server(load: Loader, config: ServerConfig, host: str, port: int,
                                    access_log=access_log,
                                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     logger.info("loading the model: until it is ready, requests get 503 \"Loading model\"")
+    interrupted = False
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises a caught SIGINT once it has shut down
-        pass
+        interrupted = True
     finally:
         for drain in drains:  # it shuts the engine down: once, and not beside this
             drain.join(timeout=DRAIN_S + GRACEFUL_SHUTDOWN_S)
@@ -400,4 +402,11 @@ def run_server(load: Loader, config: ServerConfig, host: str, port: int,
             app.state.tandem.engine.shutdown()
     if failure:
         raise failure[0]
+    if app.state.tandem is None and app.state.load_error is None:
+        # Stopped while the model loads. The loader thread cannot be stopped, and
+        # the interpreter's exit beside it, inside torch's threads, aborted the
+        # process ("terminate called without an active exception", SIGABRT).
+        logger.info("stopped while the model was loading")
+        logging.shutdown()
+        os._exit(130 if interrupted else 0)
     return 0 if server.started else 1
