@@ -192,15 +192,17 @@ def prefill_finding(kind: str, why: str, evidence: str, values: dict[str, float]
 
 
 def slow_decode_finding(kind: str, evidence: str, values: dict[str, float],
-                        how_to_compare: str) -> Finding:
-    """``how_to_compare``: where the reader finds the bandwidth ceiling to compare with."""
+                        how_to_compare: str, fewer_bytes: str | None = None) -> Finding:
+    """``how_to_compare``: where the reader finds the bandwidth ceiling to compare with;
+    ``fewer_bytes``: the advice for fewer bytes a token where the weights' format is
+    known (a 4-bit model is not told to quantize)."""
     return Finding(
         "slow_decode", "problem", "decode",
         "The text types out slowly: decode, which is memory-bandwidth bound",
         evidence,
         [
-            f"quantize the weights (8 bit halves the bytes read per token): "
-            f"{knob(kind, 'quantize')}",
+            fewer_bytes or f"quantize the weights (8 bit halves the bytes read per token): "
+                           f"{knob(kind, 'quantize')}",
             f"compare with the bandwidth ceiling ({how_to_compare})",
             f"lower the per-step token budget if long prompts run alongside: "
             f"{knob(kind, 'budget')}",
@@ -291,7 +293,8 @@ def diagnose_live(f: LiveFigures, kind: str = "tandem") -> list[Finding]:
             kind, f"{f.rejections} requests were refused with 503 {w}"))
     queue_s = f.queue_p95_s or 0.0
     wait = max(queue_s, f.oldest_wait_s)
-    if wait >= QUEUE_S:
+    cache_full = bool(f.preemptions) or f.kv_usage >= KV_FULL
+    if wait >= QUEUE_S and not cache_full:  # a full cache's wait is the cache's finding
         ev = f"requests wait {wait:.1f} s before they start ({f.waiting} waiting now"
         ev += f"; queue time p95 at least {ms(queue_s)} {w})" if queue_s else ")"
         values = {"wait_s": wait, "waiting": f.waiting, "peak_running": f.peak_running}
@@ -301,7 +304,7 @@ def diagnose_live(f: LiveFigures, kind: str = "tandem") -> list[Finding]:
                 "in use", values))
         else:
             found.append(queue_finding(kind, ev, values))
-    parts = []
+    parts = [f"requests wait {wait:.1f} s to start"] if wait >= QUEUE_S and cache_full else []
     if f.preemptions:
         parts.append(f"{f.preemptions} preemptions {w}")
     if f.kv_usage >= KV_FULL:

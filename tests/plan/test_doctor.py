@@ -179,6 +179,17 @@ def test_cold_start_from_load_duration_or_the_first_ttft():
     by_ttft = rules(healthy(warmup=probe("first request", 8, 2, 4.0)))
     assert "4.00 s" in by_ttft["cold_start"].evidence
     assert "cold_start" not in rules(healthy(warmup=probe("first request", 8, 2, 0.25)))
+    # A first request that queued behind others' (the server says so) was no cold start.
+    queued = probe("first request", 8, 2, 3.85, server_queue_s=3.57)
+    assert "cold_start" not in rules(healthy(warmup=queued))
+
+
+def test_a_wait_with_the_cache_full_is_not_a_slots_finding():
+    """Requests queue because the KV pool is full: more slots would preempt more."""
+    full = healthy(metrics_before=MetricsSample(2, 4, 1.0, 0))
+    found = rules(full)
+    assert "kv_cache_full" in found and "queue_waiting" not in found
+    assert "queue_waiting" in rules(healthy(metrics_before=MetricsSample(2, 4, 0.4, 0)))
 
 
 def test_slow_decode_and_the_ceiling():
@@ -196,6 +207,17 @@ def test_slow_decode_and_the_ceiling():
     assert "slow_decode" not in fast and "below_ceiling" not in fast
     assert fast["at_ceiling"].severity == "ok"  # 20 tok/s of 27.9: only fewer bytes help
     assert decode_ceiling(healthy()) is None and "at_ceiling" not in rules(healthy())
+
+
+@pytest.mark.parametrize("level,advice", [
+    (None, "quantize: --quantization int8"), ("F16", "quantize: --quantization int8"),
+    ("Q8_0", "4-bit weights: --quantization int4"), ("INT8", "4-bit weights"),
+    ("Q4_1", "already Q4_1 (4 bits): a smaller model"), ("Q4_K_M", "already Q4_K_M")])
+def test_at_the_ceiling_the_advice_follows_what_the_weights_are(level, advice):
+    """A model already at 8 or 4 bits is not told to quantize to int8 (more bytes for 4)."""
+    found = rules(healthy(bandwidth_bytes_s=15e9, model_bytes=0.538e9,
+                          quantization_level=level))
+    assert advice in found["at_ceiling"].knobs[0], found["at_ceiling"].knobs
 
 
 def test_a_long_prompt_stalling_the_stream():

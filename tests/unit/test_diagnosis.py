@@ -70,6 +70,15 @@ def test_a_queue_with_free_slots_waits_for_the_token_budget():
     assert "queue_waiting" in rules(queue_p95_s=0.5, peak_running=16, max_num_seqs=None)
 
 
+def test_a_wait_with_the_cache_full_is_the_cache_finding():
+    """Slots free because the KV pool is full: neither more slots nor a larger token
+    budget, the cache (a trial's 2 of 4 slots with the pool at 100% was told the budget)."""
+    for full in ({"kv_usage": 1.0}, {"preemptions": 5}):
+        found = diagnose_live(figures(queue_p95_s=3.5, peak_running=2, max_num_seqs=4, **full))
+        assert [f.rule for f in found] == ["kv_cache_full"]
+        assert found[0].evidence.startswith("requests wait 3.5 s to start")
+
+
 def test_rejections_and_cache_pressure():
     assert rules(rejections=3)["rejected"].evidence.startswith("3 requests were refused")
     assert rules(preemptions=2)["kv_cache_full"].values["preemptions"] == 2
@@ -102,7 +111,8 @@ def test_decode_slow_or_stuttering():
 def test_findings_are_ordered_like_the_doctors():
     found = diagnose_live(figures(rejections=1, preemptions=1, itl_p50_s=0.2, waiting=2,
                                   oldest_wait_s=1.0))
-    assert [f.phase for f in found] == ["queue", "queue", "cache", "decode"]
+    # (the wait, with a preemption in the window, is the cache's finding)
+    assert [f.phase for f in found] == ["queue", "cache", "decode"]
 
 
 def test_the_shared_rules_import_nothing_but_the_standard_library():

@@ -25,6 +25,7 @@ applies to its own figures.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 import textwrap
 from dataclasses import asdict, dataclass, field
@@ -379,6 +380,12 @@ def _rule_ttft_overhead(m: Measurements, queued: bool) -> Finding | None:
     )
 
 
+def _unqueued(p: Probe) -> float:
+    """A probe's TTFT less the wait for a slot the server reports: a busy server's queue
+    is not a cold start."""
+    return p.ttft_s - (p.server_queue_s or 0.0)
+
+
 def _rule_cold_start(m: Measurements) -> Finding | None:
     w = m.warmup
     if w is None or not w.ok:
@@ -386,12 +393,16 @@ def _rule_cold_start(m: Measurements) -> Finding | None:
     if w.load_s is not None and w.load_s >= COLD_START_S:
         ev = f"the first request's load_duration was {w.load_s:.2f} s"
         value = w.load_s
-    elif _ok(m.short) and w.ttft_s >= COLD_START_S and w.ttft_s >= 3 * m.short.ttft_s:
+    elif _ok(m.short) and _unqueued(w) >= COLD_START_S and \
+            _unqueued(w) >= 3 * _unqueued(m.short):
         ev = (
             f"the first request's TTFT was {w.ttft_s:.2f} s for {w.prompt_tokens} prompt "
             f"tokens; the next took {m.short.ttft_s:.2f} s for {m.short.prompt_tokens}"
         )
-        value = w.ttft_s
+        if w.server_queue_s:
+            ev += f" (less the time each queued, as the server says: {_unqueued(w):.2f} s " \
+                  f"against {_unqueued(m.short):.2f} s)"
+        value = _unqueued(w)
     else:
         return None
     return Finding(
@@ -420,7 +431,8 @@ def _rule_slow_decode(m: Measurements) -> Finding | None:
         ev += f"; the bandwidth ceiling is {ceiling:.1f} tok/s"
     return slow_decode_finding(
         m.kind, ev, {"decode_tok_s": rate},
-        "--bandwidth or --device here; tandem plan --measure for this machine")
+        "--bandwidth or --device here; tandem plan --measure for this machine",
+        None if m.quantization_level is None else _fewer_bytes(m))
 
 
 def decode_ceiling(m: Measurements) -> float | None:
@@ -461,10 +473,33 @@ def _rule_ceiling(m: Measurements) -> Finding | None:
         "at_ceiling", "ok", "decode",
         "Decode runs near the bandwidth ceiling: only fewer bytes per token make one stream "
         "faster",
-        ev,
-        [f"quantize: {knob(k, 'quantize')}", "or a device with more memory bandwidth"],
-        values,
+        ev, [_fewer_bytes(m), "or a device with more memory bandwidth"], values,
     )
+
+
+def _weight_bits(level: str | None) -> int | None:
+    """Bits a weight of the server's named format (F16, Q8_0, INT8, Q4_K_M...), if known."""
+    name = (level or "").upper()
+    if name in ("F32", "FP32"):
+        return 32
+    if name in ("F16", "BF16", "FP16"):
+        return 16
+    digits = re.match(r"(?:Q|INT|IQ)(\d)", name)
+    return int(digits.group(1)) if digits else None
+
+
+def _fewer_bytes(m: Measurements) -> str:
+    """The advice for fewer bytes a token, from what the weights are already: a model
+    served as Q8_0 is told int4, one at 4 bits a smaller model (int8 would read more)."""
+    bits = _weight_bits(m.quantization_level)
+    if bits is None or bits > 8:
+        return f"quantize: {knob(m.kind, 'quantize')}"
+    if bits == 8 and m.kind == "tandem":
+        return "4-bit weights: --quantization int4, or a Q4_0 / Q4_K_M file"
+    if bits == 8:
+        return f"a 4-bit quantization: {knob(m.kind, 'quantize')}"
+    return (f"the weights are already {m.quantization_level} ({bits} bits): a smaller "
+            "model reads fewer bytes")
 
 
 def _rule_stall(m: Measurements) -> Finding | None:
@@ -527,8 +562,9 @@ def diagnose(m: Measurements) -> list[Finding]:
     cache_hit = _cache_pressure(m)[0]
     queue = _rule_queue(m)
     one = _rule_one_at_a_time(m, cache_hit)
-    return sort_findings([
-        _rule_rejected(m), one, queue, _rule_cache(m), _rule_cold_start(m),
+    return sort_findings([  # with the cache full, a wait is the cache's finding, not slots'
+        _rule_rejected(m), one, None if cache_hit else queue, _rule_cache(m),
+        _rule_cold_start(m),
         _rule_prefill(m), _rule_ttft_overhead(m, queued=queue is not None or one is not None),
         _rule_slow_decode(m), _rule_stall(m), _rule_offload(m), _rule_ceiling(m),
         _rule_context(m),
