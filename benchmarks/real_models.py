@@ -78,6 +78,8 @@ from common import read_bandwidth_gbs
 from cpu_serving import wait_ready
 from synthetic_gguf import synthetic_gguf
 
+from tandem.tools.plan.devices import matmul_rate
+
 TANDEM = str(Path(sys.executable).parent / "tandem")
 DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
 QUANT_LEVELS = frozenset({"INT8", "Q8_0", "Q4_0", "Q4_1"})  # tandem.model.linear.quantization_level
@@ -86,28 +88,6 @@ KV_LOG = re.compile(r"KV cache \([^)]*\): .*? (\d+) bytes/token \(([\d.]+) GiB\)
 
 
 # ------------------------------------------------------------------ this machine
-
-
-def matmul_flops(dtype: str, m: int = 128, n: int = 2048, seconds: float = 1.0) -> float | None:
-    """FLOP/s of torch.mm (torch._int_mm for int8) at (m x n) @ (n x n); None if unsupported."""
-    if dtype == "int8":
-        a = torch.randint(-127, 128, (m, n), dtype=torch.int8)
-        b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
-        fn = getattr(torch, "_int_mm", None)
-    else:
-        dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-        a, b = torch.randn(m, n, dtype=dt), torch.randn(n, n, dtype=dt)
-        fn = torch.mm
-    try:
-        fn(a, b)
-    except (RuntimeError, TypeError):
-        return None
-    best, t_end = float("inf"), time.perf_counter() + seconds
-    while time.perf_counter() < t_end:
-        t = time.perf_counter()
-        fn(a, b)
-        best = min(best, time.perf_counter() - t)
-    return 2 * m * n * n / best
 
 
 # ------------------------------------------------------------------ the file
@@ -452,7 +432,7 @@ def main() -> None:
             path = synthetic_gguf(shape, t, log=lambda m: print(m, file=sys.stderr, flush=True))
             files.append((f"{shape} {t}", path, time.perf_counter() - t0))
     bw = read_bandwidth_gbs() * 1e9
-    flops = {k: matmul_flops(k) for k in ("fp32", "bf16", "int8")}
+    flops = {k: matmul_rate(k) for k in ("fp32", "bf16", "int8")}
     print(f"machine: {os.cpu_count()} CPUs, torch {torch.get_num_threads()} threads; read "
           f"bandwidth {bw / 1e9:.1f} GB/s; matmul M=128 2048x2048: "
           + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" if v else f"{k} n/a"

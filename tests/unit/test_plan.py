@@ -242,6 +242,21 @@ def test_scenario_20_agents() -> None:
     assert "--kv-cache-dtype int8" in text and "--dtype int4" in text and "--context" in text
 
 
+def test_quantized_weights_on_a_cpu_plan_with_its_int8_roof() -> None:
+    """A CPU's int8 rate (VNNI) is the compute roof of int8/int4 weights; fp32 weights keep
+    the fp32 one. On a CPU tandem measures its own token budget: no flag for it."""
+    box = Device("box", "box", "cpu", 24 * GiB, 40e9, peak_flops=0.15e12,
+                 peak_int8_ops=1.5e12)
+    spec = load_model("qwen2.5-1.5b")
+    q8 = cap.plan(spec, box, dtype="int8", users=4)
+    f32 = cap.plan(spec, box, dtype="fp32", users=4)
+    assert q8.prefill_tok_s == pytest.approx(10 * f32.prefill_tok_s, rel=1e-6)
+    assert not any("--max-num-batched-tokens" in f for f in q8.flags["tandem"])
+    assert "measures its own" in q8.flags["max_num_batched_tokens_reason"]
+    gpu = cap.plan(spec, DEVICES["rtx4090"], users=4)
+    assert any("--max-num-batched-tokens" in f for f in gpu.flags["tandem"])
+
+
 def test_scenario_cpu_vps_8gb() -> None:
     vps = Device("vps", "8 GB VPS", "cpu", int(8e9), 20e9)
     # tandem holds a bf16 checkpoint in fp32 on CPU: 6.2 GB of weights do not fit,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from tandem.tools.plan.arithmetic import (
@@ -115,6 +115,14 @@ def _check_positive(name: str, v: float | None, *, allow_zero: bool = False) -> 
         raise ValueError(f"{name} must be a positive number, got {v}")
 
 
+def _runs_on_int8(spec: ModelSpec, wdtype: str) -> bool:
+    """Whether tandem's CPU matmuls for these weights are int8 ones: --quantization int8
+    or int4, or a GGUF held in its own quantized blocks (an F16/BF16/F32 file is fp32)."""
+    if wdtype in ("int8", "int4"):
+        return True
+    return wdtype == "file" and (spec.file_type or "F32").upper() not in ("F32", "F16", "BF16")
+
+
 def plan(
     spec: ModelSpec,
     device: Device,
@@ -171,6 +179,10 @@ def plan(
         # widened at load unless --quantization int8 / int4.
         wdtype = engine_compute_dtype(device.kind)
     kvdtype = resolve_kv_dtype(kv_cache_dtype, wdtype, device.kind)
+    if device.kind == "cpu" and device.peak_int8_ops and _runs_on_int8(spec, wdtype):
+        # The compute roof of quantized weights is the int8 matmul's (VNNI), not fp32's:
+        # 5-10x on a CPU with VNNI, and plans from fp32 were that much too slow.
+        device = replace(device, peak_flops=device.peak_int8_ops)
     if context is None:
         context = min(8192, spec.max_context or 8192)
     is_gpu = device.kind == "gpu"
@@ -409,10 +421,12 @@ def _flags(p: Plan) -> None:
     n, c = p.max_num_seqs, p.context
     kv8 = p.kv_cache_dtype in KV8_DTYPES
     quant = p.dtype in ("int8", "int4")
-    tandem = [
-        f"--max-num-seqs {n}", f"--max-num-batched-tokens {p.max_num_batched_tokens}",
-        f"--max-model-len {c}", f"--max-queue {p.max_queue}",
-    ]
+    # On a CPU tandem measures its token budget from the model's step cost at start-up
+    # (engine/token_budget.py): a flag would replace that with this estimate.
+    budget = ([f"--max-num-batched-tokens {p.max_num_batched_tokens}"]
+              if p.device.kind == "gpu" else [])
+    tandem = [f"--max-num-seqs {n}", *budget, f"--max-model-len {c}",
+              f"--max-queue {p.max_queue}"]
     if p.device.kind == "gpu":
         tandem.append(f"--gpu-memory-utilization {p.gpu_memory_utilization:g}")
     else:  # on CPU tandem's pool is exactly this many bytes (default 2 GiB), not "what is free"
@@ -472,6 +486,8 @@ def _flags(p: Plan) -> None:
                 "2 decode steps))"
                 if p.chunk_stall_s is not None else ""
             )
+            + ("; tandem on a CPU measures its own at start-up (no flag: the log's "
+               "\"token budget\" line)" if p.device.kind == "cpu" else "")
         ),
     }
 

@@ -42,6 +42,9 @@ class Device:
     measured: bool = False
     # For a probed host: memory free right now (other processes hold the rest).
     available_bytes: int | None = None
+    # A CPU's int8 matmul rate (VNNI), what tandem's int8 and int4 weights and a
+    # quantized GGUF's run on; None: unknown, peak_flops stands in.
+    peak_int8_ops: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -161,6 +164,33 @@ def measure_matmul_flops(size: int = 1024, runs: int = 3, device: str = "cpu") -
     return 2 * size**3 / best
 
 
+def matmul_rate(dtype: str, m: int = 128, n: int = 2048, seconds: float = 1.0
+                ) -> float | None:
+    """Best (FL)OP/s of an (m x n) @ (n x n) CPU matmul over ``seconds``: torch.mm for
+    fp32 / bf16, torch._int_mm (oneDNN's VNNI / AMX) for int8; None if unsupported.
+    M = 128 is a prefill chunk's or a batch's rows, where the weights are reused."""
+    import torch
+
+    if dtype == "int8":
+        a = torch.randint(-127, 128, (m, n), dtype=torch.int8)
+        b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+        fn = getattr(torch, "_int_mm", None)
+    else:
+        dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+        a, b = torch.randn(m, n, dtype=dt), torch.randn(n, n, dtype=dt)
+        fn = torch.mm
+    try:
+        fn(a, b)
+    except (RuntimeError, TypeError):
+        return None
+    best, t_end = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t = time.perf_counter()
+        fn(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * m * n * n / best
+
+
 def measure_host(
     nbytes: int = 512 * MiB, runs: int = 5, target: Literal["auto", "cpu", "cuda"] = "auto"
 ) -> Device:
@@ -196,8 +226,10 @@ def measure_host(
         memory_bytes=int(total),
         bandwidth_bytes_s=measure_read_bandwidth(nbytes, runs, "cpu"),
         peak_flops=measure_matmul_flops(1024, 3, "cpu"),
+        peak_int8_ops=matmul_rate("int8", seconds=0.5),
         note="probed: /proc/meminfo (or cgroup limit), the fastest read of a "
-        f"{nbytes / MiB:.0f} MiB fp32 tensor (sum, matrix-vector products), fp32 matmul",
+        f"{nbytes / MiB:.0f} MiB fp32 tensor (sum, matrix-vector products), fp32 and int8 "
+        "matmuls",
         measured=True,
         available_bytes=available,
     )
