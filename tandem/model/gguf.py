@@ -284,7 +284,11 @@ def _open_reader(src: Path):
     try:
         reader = GGUFReader(src, "r")
     except Exception as e:  # the reader raises ValueError/IndexError/struct.error/...
-        raise ValueError(f"{src} is not a valid GGUF file: {e}") from e
+        # A file cut short fails in the reader's view of its last tensors: numpy's
+        # "cannot reshape array of size ..." says nothing of why.
+        short = "reshape" in str(e) or isinstance(e, (IndexError, struct.error))
+        hint = " (the file ends before its tensors do: a truncated download?)" if short else ""
+        raise ValueError(f"{src} is not a valid GGUF file{hint}: {e}") from e
     size = src.stat().st_size
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
