@@ -193,6 +193,8 @@ def test_tools_and_calls_reach_a_template_that_renders_them():
     ("hermes", "<tool_call>not json, just <tool_call"),
     ("llama3_json", '{"answer": 42, "why": "json content"} trailing'),
     ("llama3_json", '{"name": 5}'),
+    ("llama3_json", "[1, 2]"),  # a JSON value holding no call
+    ("hermes", "<tool_call>[]</tool_call> done"),
 ])
 @pytest.mark.parametrize("step", [1, 3, 1000])
 def test_a_stream_never_drops_text_that_is_not_a_call(mode, text, step):

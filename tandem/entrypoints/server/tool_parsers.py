@@ -418,10 +418,11 @@ class ToolCallParser:
         return ""
 
     def _accept(self, scan: _Scan, out: list[Delta]) -> bool:
-        """A held value's calls sent, if every one is a known function with an object
-        of arguments; the first ``max_calls`` of the response only."""
-        if not all(c.complete and c.name in self.known and is_json_object(c.arguments)
-                   for c in scan.calls):
+        """A held value's calls sent, if it holds any and every one is a known function
+        with an object of arguments; the first ``max_calls`` of the response only."""
+        if not scan.calls or not all(
+                c.complete and c.name in self.known and is_json_object(c.arguments)
+                for c in scan.calls):
             return False
         room = len(scan.calls) if self.max_calls is None else max(
             0, min(len(scan.calls), self.max_calls - len(self.calls)))
