@@ -28,7 +28,8 @@ from tandem.engine.token_budget import ChunkTuner, cpu_token_budgets
 from tandem.model.attention import AttentionMetadata, build_group
 from tandem.model.hugepages import populate
 from tandem.model.kv_cache import kv_cache_class, kv_cache_dtype_name
-from tandem.model.loader import load_model, resolve_model
+from tandem.model.llama import ModelConfig
+from tandem.model.loader import load_model, read_hf_config, resolve_model
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.tokenizer import Tokenizer
@@ -66,6 +67,8 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = None
         if not config.skip_tokenizer_init:
             self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        # So is a --max-model-len beyond the model's window (its config.json alone).
+        _check_max_model_len(config, ModelConfig.from_hf(read_hf_config(self.model_dir)))
         self.model = load_model(
             files, config.load_format, self.dtype, self.device, config.seed,
             config.quantization,
@@ -102,11 +105,6 @@ class LLMEngine:
             cfg.num_key_value_heads, cfg.head_dim)
         bytes_per_token = cfg.num_hidden_layers * layer_bytes  # every layer's KV of a token
         max_len = c.max_model_len or cfg.max_position_embeddings
-        if max_len > cfg.max_position_embeddings:
-            raise ValueError(
-                f"--max-model-len {c.max_model_len} exceeds the model's context window "
-                f"({cfg.max_position_embeddings})"
-            )
         groups = group_layers([cfg.layer_window(i) for i in range(cfg.num_hidden_layers)],
                               not c.disable_hybrid_kv_cache_manager, max_len)
         block_bytes = groups.group_size * layer_bytes * c.block_size  # one group's layers
@@ -547,3 +545,12 @@ class KVBlocks:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+def _check_max_model_len(config: EngineConfig, cfg: ModelConfig) -> None:
+    """The served window fits the model's (what its positions were trained to)."""
+    if config.max_model_len and config.max_model_len > cfg.max_position_embeddings:
+        raise ValueError(
+            f"--max-model-len {config.max_model_len} exceeds the model's context window "
+            f"({cfg.max_position_embeddings})"
+        )
