@@ -52,42 +52,36 @@ def test_corrupt_gguf(tmp_path):
         LLM(model=str(bad))
 
 
-def test_missing_tokenizer_fails_before_the_weights_load(tmp_path, monkeypatch):
+@pytest.fixture
+def unloadable(tmp_path, monkeypatch) -> str:
+    """A bare config.json (no tokenizer, a 128-token window) whose weights must not load:
+    what is wrong with it must be found before."""
     import json
 
     from tandem.engine import llm_engine
 
-    (tmp_path / "config.json").write_text(json.dumps({
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "vocab_size": 256, "max_position_embeddings": 128}))
 
     def no_load(*args, **kwargs):
-        raise AssertionError("the weights were loaded before the tokenizer was found")
+        raise AssertionError("the weights were loaded before the error was found")
 
     monkeypatch.setattr(llm_engine, "load_model", no_load)
+    return str(path)
+
+
+def test_missing_tokenizer_fails_before_the_weights_load(unloadable):
     with pytest.raises(ValueError, match="no tokenizer.json"):
-        LLM(model=str(tmp_path / "config.json"), load_format="dummy")
+        LLM(model=unloadable, load_format="dummy")
 
 
-def test_a_window_beyond_the_models_fails_before_the_weights_load(tmp_path, monkeypatch):
-    import json
-
-    from tandem.engine import llm_engine
-
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "vocab_size": 256, "max_position_embeddings": 128}))
-
-    def no_load(*args, **kwargs):
-        raise AssertionError("the weights were loaded before the window was checked")
-
-    monkeypatch.setattr(llm_engine, "load_model", no_load)
+def test_a_window_beyond_the_models_fails_before_the_weights_load(unloadable):
     with pytest.raises(ValueError, match=r"--max-model-len 512 exceeds the model's context "
                                          r"window \(128\)"):
-        LLM(model=str(tmp_path / "config.json"), load_format="dummy", max_model_len=512,
-            skip_tokenizer_init=True)
+        LLM(model=unloadable, load_format="dummy", max_model_len=512, skip_tokenizer_init=True)
 
 
 def test_engine_flags_validated():
