@@ -27,6 +27,14 @@ TEMPLATE_ARGS = frozenset({
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
+def check_template_kwargs(template_kwargs: dict[str, Any] | None) -> None:
+    """ValueError if chat_template_kwargs would set one of the template call's own arguments."""
+    reserved = sorted((template_kwargs or {}).keys() & TEMPLATE_ARGS)
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the "
+                         "request's own fields do")
+
+
 class Tokenizer:
     """encode / decode / chat template for one model; ``backend`` is the raw Rust tokenizer."""
 
@@ -105,10 +113,7 @@ class Tokenizer:
         if not self._hf.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         _check_messages(messages)
-        reserved = sorted((template_kwargs or {}).keys() & TEMPLATE_ARGS)
-        if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the "
-                             "request's own fields do")
+        check_template_kwargs(template_kwargs)
         try:
             return self._hf.apply_chat_template(
                 messages, tools=tools, tokenize=False,

@@ -68,10 +68,11 @@ class LLMEngine:
         if not config.skip_tokenizer_init:
             self.tokenizer = Tokenizer.from_dir(self.model_dir)
         # So is a --max-model-len beyond the model's window (its config.json alone).
-        _check_max_model_len(config, ModelConfig.from_hf(read_hf_config(self.model_dir)))
+        model_config = ModelConfig.from_hf(read_hf_config(self.model_dir))
+        _check_max_model_len(config, model_config)
         self.model = load_model(
             files, config.load_format, self.dtype, self.device, config.seed,
-            config.quantization,
+            config.quantization, model_config,
         )
         self.model_config = self.model.cfg
         eos = self.tokenizer.eos_token_id if self.tokenizer else self.model_config.eos_token_id

@@ -367,8 +367,10 @@ def load_model(
     device: torch.device,
     seed: int = 0,
     quantization: str = "none",
+    cfg: ModelConfig | None = None,
 ) -> LlamaModel:
-    cfg = ModelConfig.from_hf(read_hf_config(files.dir))
+    """The model of ``files``; ``cfg``: its config, if the caller has read it already."""
+    cfg = cfg or ModelConfig.from_hf(read_hf_config(files.dir))
     src: WeightSource
     if load_format == "dummy":
         src = DummyWeights(cfg, dtype, seed)

@@ -20,7 +20,7 @@ from tandem.entrypoints.server.errors import APIError
 from tandem.entrypoints.server.metrics import ServerMetrics
 from tandem.entrypoints.server.model_card import ModelCard
 from tandem.entrypoints.server.protocol import B, parse_body, read_json
-from tandem.tokenizer import Tokenizer
+from tandem.tokenizer import Tokenizer, check_template_kwargs
 
 T = TypeVar("T")
 MAX_N = 128  # OpenAI's bound on n
@@ -129,9 +129,11 @@ class ServerState:
         extra = len(json.dumps(tools or "")) + len(json.dumps(template_kwargs or ""))
         self._check_text(chars + extra, "messages")
         try:
+            check_template_kwargs(template_kwargs)
+        except ValueError as e:
+            raise APIError(400, str(e), param="chat_template_kwargs") from None
+        try:
             return await self.off_loop(tok.apply_chat_template, messages, add_generation_prompt,
                                        tools, continue_final, template_kwargs)
         except ValueError as e:
-            field = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") \
-                else "messages"
-            raise APIError(400, str(e), param=field) from None
+            raise APIError(400, str(e), param="messages") from None

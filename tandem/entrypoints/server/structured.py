@@ -145,9 +145,6 @@ class ToolPlan:
     family: Family  # how the model writes calls when it decides to
     fields: str = "function."  # where a tool's name and parameters are, for 400s
 
-    def param(self, i: int, field: str) -> str:
-        return f"tools[{i}].{self.fields}{field}"
-
     @property
     def names(self) -> list[str]:
         return [t["function"]["name"] for t in self.tools]
@@ -160,7 +157,7 @@ class ToolPlan:
         arguments. Both as JSON schemas the grammar engine enforces."""
         if self.choice == "function":
             i = self.names.index(self.name)  # type: ignore[arg-type]
-            return _schema(self._parameters(i), self.param(i, "parameters"))
+            return _schema(self._parameters(i), _tool_field(i, self.fields, "parameters"))
         if self.choice != "required":
             return None
         calls = [{"type": "object", "properties": {
@@ -185,6 +182,12 @@ class ToolPlan:
         return ToolCallParser(self.family, known, max_calls=None if self.parallel else 1)
 
 
+def _tool_field(i: int, fields: str, name: str) -> str:
+    """A tool's field as a 400 names it: ``tools[i].function.name`` (chat completions,
+    Ollama) or ``tools[i].name`` (the Responses API's flat tools)."""
+    return f"tools[{i}].{fields}{name}"
+
+
 def plan_tools(tools: list[ChatTool] | None, tool_choice: str | NamedToolChoice | None,
                parallel: bool, chat_template: str | None, flat: bool = False
                ) -> ToolPlan | None:
@@ -197,14 +200,15 @@ def plan_tools(tools: list[ChatTool] | None, tool_choice: str | NamedToolChoice 
     fields = "" if flat else "function."
     seen: set[str] = set()
     for i, t in enumerate(tools):
-        where = f"tools[{i}].{fields}"
         if t.function.name in seen:
-            raise bad_request(f"{where}name {t.function.name!r} is given twice", f"{where}name")
+            where = _tool_field(i, fields, "name")
+            raise bad_request(f"{where} {t.function.name!r} is given twice", where)
         seen.add(t.function.name)
         kind = (t.function.parameters or {}).get("type", "object")
         if kind != "object":  # a call's arguments are an object, as OpenAI requires
-            raise bad_request(f"{where}parameters must be a JSON schema of type 'object', "
-                              f"got type {kind!r}", f"{where}parameters")
+            where = _tool_field(i, fields, "parameters")
+            raise bad_request(f"{where} must be a JSON schema of type 'object', "
+                              f"got type {kind!r}", where)
     name = None
     if isinstance(tool_choice, NamedToolChoice):
         name = tool_choice.function.name

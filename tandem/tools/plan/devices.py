@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -129,16 +130,24 @@ def measure_read_bandwidth(
             probes += [w.sum, functools.partial(torch.mm, v, w.t())]
             if custom_ops.available():
                 probes.append(functools.partial(torch.ops.tandem.matvec, v, w, None))
-    best = float("inf")
-    for probe in probes:
-        probe()
-        sync()
-        for _ in range(max(1, runs)):
-            t0 = time.perf_counter()
-            probe()
-            sync()
-            best = min(best, time.perf_counter() - t0)
+    best = min(_fastest(probe, sync, runs=runs) for probe in probes)
     return rows * cols * 4 / best
+
+
+def _fastest(fn: Callable[[], object], sync: Callable[[], object] = lambda: None, *,
+             runs: int = 1, seconds: float = 0.0) -> float:
+    """The fastest of at least ``runs`` timed calls of ``fn`` made over at least
+    ``seconds``, after one untimed (warm-up) call: the least disturbed run."""
+    fn()
+    sync()
+    best, done, t_end = float("inf"), 0, time.perf_counter() + seconds
+    while done < max(1, runs) or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+        done += 1
+    return best
 
 
 def measure_matmul_flops(size: int = 1024, runs: int = 3, device: str = "cpu") -> float:
@@ -153,15 +162,7 @@ def measure_matmul_flops(size: int = 1024, runs: int = 3, device: str = "cpu") -
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    a @ b
-    sync()
-    best = float("inf")
-    for _ in range(max(1, runs)):
-        t0 = time.perf_counter()
-        a @ b
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * size**3 / best
+    return 2 * size**3 / _fastest(lambda: a @ b, sync, runs=runs)
 
 
 def matmul_rate(dtype: str, m: int = 128, n: int = 2048, seconds: float = 1.0
@@ -183,12 +184,7 @@ def matmul_rate(dtype: str, m: int = 128, n: int = 2048, seconds: float = 1.0
         fn(a, b)
     except (RuntimeError, TypeError):
         return None
-    best, t_end = float("inf"), time.perf_counter() + seconds
-    while time.perf_counter() < t_end:
-        t = time.perf_counter()
-        fn(a, b)
-        best = min(best, time.perf_counter() - t)
-    return 2 * m * n * n / best
+    return 2 * m * n * n / _fastest(lambda: fn(a, b), seconds=seconds)
 
 
 def measure_host(
