@@ -70,9 +70,12 @@ class LLMEngine:
         # So is a --max-model-len beyond the model's window (its config.json alone).
         model_config = ModelConfig.from_hf(read_hf_config(self.model_dir))
         _check_max_model_len(config, model_config)
+        # On CPU the load stops as soon as the weights show they cannot fit
+        # beside the KV pool (loader.MemoryGuard), not when the kernel kills it.
         self.model = load_model(
             files, config.load_format, self.dtype, self.device, config.seed,
             config.quantization, model_config,
+            self._set_kv_bytes() if self.device.type == "cpu" else None,
         )
         self.model_config = self.model.cfg
         eos = self.tokenizer.eos_token_id if self.tokenizer else self.model_config.eos_token_id
@@ -116,12 +119,10 @@ class LLMEngine:
             budget_tokens = 8192
         elif budget_tokens is None:
             budget_tokens, prefill_cap, t1 = self._cpu_token_budgets()
-        if c.kv_cache_memory is not None:
-            budget = int(c.kv_cache_memory)
-        elif self.device.type == "cuda":
+        if c.kv_cache_memory is None and self.device.type == "cuda":
             budget = self._cuda_kv_budget(budget_tokens)
         else:
-            budget = DEFAULT_CPU_KV_BYTES
+            budget = self._set_kv_bytes()
         num_blocks = budget // block_bytes
         if num_blocks < 1:
             raise ValueError(
@@ -184,6 +185,12 @@ class LLMEngine:
             max_len, num_blocks / blocks_for(max_len), c.max_num_seqs, budget_tokens,
             "" if prefill_cap is None else f" ({prefill_cap} prompt tokens in steps with decodes)",
         )
+
+    def _set_kv_bytes(self) -> int:
+        """The KV pool's bytes where they are set ahead: --kv-cache-memory, or
+        the CPU's default (a GPU's default is what its memory leaves)."""
+        c = self.config.kv_cache_memory
+        return DEFAULT_CPU_KV_BYTES if c is None else int(c)
 
     def _cpu_token_budgets(self) -> tuple[int, int, float]:
         """(max_num_batched_tokens, prompt tokens per step with decodes, a

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from tandem.config import host_memory
 from tandem.model.gguf import GGUFWeights, default_model_path, gguf_to_hf_dir
 from tandem.model.hugepages import HugePageArena
 from tandem.model.linear import (
@@ -188,6 +189,66 @@ def release_free_memory() -> None:
         trim(0)
 
 
+class MemoryGuard:
+    """Stops a CPU load, with the numbers, once its weights cannot fit beside the
+    KV pool in the memory that was available when it began.
+
+    The weights are measured as they are built, not predicted from the config:
+    what a tensor becomes depends on its format (an F16 tensor is held in fp32,
+    a Q6_K one as int8 groups) and fuse_weights is the one place that decides
+    that. Without the guard an 8B model in fp32 on a 24 GB machine grew until
+    the kernel killed the process. It refuses when what is built already
+    leaves no room, or when the layers still to come, at the bytes of the
+    built ones times MARGIN, would not fit: a GGUF's layers differ (Q4_K_M
+    keeps about half its layers' attn_v and ffn_down in Q6_K, which tandem
+    holds as int8 groups: such a layer of an 8B is 1.27x a plain one), so the
+    first layers may overstate the rest by that much and MARGIN keeps the
+    estimate below the true need.
+    """
+
+    MARGIN = 0.75
+
+    def __init__(self, reserved: int, layers: int, held_as: str, quantized: bool) -> None:
+        self.reserved, self.layers, self.held_as, self.quantized = (
+            reserved, layers, held_as, quantized)
+        _, self.available = host_memory()
+        if self.available is not None and reserved > self.available:
+            raise ValueError(
+                f"the KV cache pool ({_gib(reserved)}) is larger than the {_gib(self.available)} "
+                "of memory available; lower --kv-cache-memory")
+        self.base = 0  # bytes held besides the layers (embedding, LM head, final norm)
+        self.layer_bytes: list[int] = []
+
+    def check(self) -> None:
+        """Raises ValueError if the weights built so far show the model cannot fit."""
+        if self.available is None:
+            return
+        done, layers = len(self.layer_bytes), sum(self.layer_bytes)
+        held = self.base + layers
+        rest = layers / done * (self.layers - done) if done else 0
+        if held + self.reserved <= self.available and (
+                held + self.MARGIN * rest + self.reserved <= self.available):
+            return
+        advice = ("use a smaller model or fewer bits" if self.quantized else
+                  "quantize it (--quantization int8 holds a weight in about 1 byte, int4 in "
+                  "about 0.6)")
+        raise ValueError(
+            f"the model does not fit in memory: its weights need about {_gib(held + rest)} as "
+            f"loaded ({self.held_as}) beside the {_gib(self.reserved)} KV cache pool, and "
+            f"{_gib(self.available)} was available (stopped after {done} of {self.layers} "
+            f"layers); {advice}, or lower --kv-cache-memory")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def held_bytes(*parts: Linear | torch.Tensor | None) -> int:
+    """Bytes the given weights occupy."""
+    return sum(p.numel() * p.element_size() if isinstance(p, torch.Tensor) else p.nbytes
+               for p in parts if p is not None)
+
+
 class _Progress:
     """Loading progress: a tqdm bar on a terminal, else a log line every few seconds."""
 
@@ -224,6 +285,7 @@ def fuse_weights(
     dtype: torch.dtype,
     device: torch.device,
     quantization: str = "none",
+    memory_reserve: int | None = None,
 ) -> dict:
     """Tensors taken from src -> LlamaModel's fused layout, layer by layer.
 
@@ -232,7 +294,8 @@ def fuse_weights(
     "auto": what the source holds (a GGUF's block formats, each fused matmul
     in its widest part's format: int8 groups of 32 when its parts differ; the
     LM head in its own; float sources stay float). A quantized model keeps its
-    embedding in fp16 for the row lookup.
+    embedding in fp16 for the row lookup. With ``memory_reserve`` bytes (the
+    KV pool) a CPU load is watched by a MemoryGuard.
     """
 
     def take(name: str) -> torch.Tensor | QuantizedWeight:
@@ -286,6 +349,11 @@ def fuse_weights(
         return make_linear(w, bias, kind, alloc)
 
     quantized = quantization in ("int8", "int4") or (quantization == "auto" and src.quantized)
+    guard = None
+    if memory_reserve is not None and device.type == "cpu":
+        held_as = (quantization if quantization in ("int8", "int4") else
+                   "the file's block formats" if quantized else str(dtype).removeprefix("torch."))
+        guard = MemoryGuard(memory_reserve, cfg.num_hidden_layers, held_as, quantized)
     try:
         lm = src.pop("lm_head.weight")
     except KeyError:  # tied: the LM head is the embedding
@@ -322,6 +390,11 @@ def fuse_weights(
             embed_w = embed_w.dequantize()
         embed = embed_w.to(device=device, dtype=torch.float16 if dtype == torch.float32 else dtype)
     del embed_w
+    final_norm = norm("model.norm.weight")
+    if guard is not None:
+        tied = isinstance(lm_head, DenseLinear) and lm_head.w is embed
+        guard.base = held_bytes(embed, None if tied else lm_head, final_norm)
+        guard.check()
     progress = _Progress(cfg.num_hidden_layers, "loading weights")
     layers = []
     for i in range(cfg.num_hidden_layers):
@@ -354,9 +427,12 @@ def fuse_weights(
             w["k_norm"] = norm(a + "k_norm.weight")
         layers.append(w)
         release_free_memory()
+        if guard is not None:
+            guard.layer_bytes.append(held_bytes(*w.values()))
+            guard.check()
         progress.step()
     progress.close()
-    return {"embed": embed, "norm": norm("model.norm.weight"), "lm_head": lm_head,
+    return {"embed": embed, "norm": final_norm, "lm_head": lm_head,
             "layers": layers}
 
 
@@ -368,8 +444,11 @@ def load_model(
     seed: int = 0,
     quantization: str = "none",
     cfg: ModelConfig | None = None,
+    memory_reserve: int | None = None,
 ) -> LlamaModel:
-    """The model of ``files``; ``cfg``: its config, if the caller has read it already."""
+    """The model of ``files``; ``cfg``: its config, if the caller has read it
+    already. On CPU the load stops with a ValueError as soon as the weights
+    cannot fit beside ``memory_reserve`` bytes (the KV pool): MemoryGuard."""
     cfg = cfg or ModelConfig.from_hf(read_hf_config(files.dir))
     src: WeightSource
     if load_format == "dummy":
@@ -378,4 +457,4 @@ def load_model(
         src = GGUFWeights(files.gguf, files.dir)
     else:
         src = SafetensorsWeights(files.dir)
-    return LlamaModel(cfg, fuse_weights(cfg, src, dtype, device, quantization))
+    return LlamaModel(cfg, fuse_weights(cfg, src, dtype, device, quantization, memory_reserve))

@@ -84,6 +84,36 @@ def test_a_window_beyond_the_models_fails_before_the_weights_load(unloadable):
         LLM(model=unloadable, load_format="dummy", max_model_len=512, skip_tokenizer_init=True)
 
 
+def test_a_model_beyond_memory_stops_loading_at_its_first_layer(tiny_config_path, monkeypatch):
+    """The engine's load: the weights measured as they are built, the KV pool
+    beside them; exact at the end, projected from the first layer on."""
+    from tandem.model import loader
+
+    built = []
+    check = loader.MemoryGuard.check
+
+    def counting(self):
+        built.append(len(self.layer_bytes))
+        check(self)
+
+    monkeypatch.setattr(loader.MemoryGuard, "check", counting)
+    kv = 64 << 10
+    kwargs = dict(model=tiny_config_path, load_format="dummy", skip_tokenizer_init=True,
+                  kv_cache_memory=kv)
+    weights = LLM(**kwargs).engine.model.nbytes
+    built.clear()
+    monkeypatch.setattr(loader, "host_memory", lambda: (1 << 40, weights + kv))
+    LLM(**kwargs)  # fits exactly
+    assert built == [0, 1, 2]
+    for available, checks in ((weights + kv - 1, [0, 1, 2]), (weights * 3 // 4 + kv, [0, 1])):
+        built.clear()
+        monkeypatch.setattr(loader, "host_memory", lambda a=available: (1 << 40, a))
+        with pytest.raises(ValueError, match=r"does not fit in memory.*\(float32\) beside the "
+                                             r"0.0 GiB KV cache pool.*quantize it"):
+            LLM(**kwargs)
+        assert built == checks
+
+
 def test_engine_flags_validated():
     with pytest.raises(ValueError, match="max-num-seqs"):
         LLM(max_num_seqs=0)
@@ -103,6 +133,7 @@ def run_cli(*args):
     (["generate", "hi", "--top-p", "2"], "top_p"),
     (["generate", "", "--max-tokens", "2"], "empty"),
     (["generate", "hi", "--kv-cache-memory", "1KiB"], "KV cache"),
+    (["generate", "hi", "--kv-cache-memory", "100000GiB"], "lower --kv-cache-memory"),
 ])
 def test_cli_errors_are_one_line(args, needle):
     r = run_cli(*args)

@@ -1,4 +1,5 @@
-"""The loader hands the C heap's free holes back to the OS between layers."""
+"""The loader's memory: the C heap's free holes handed back to the OS between
+layers, and MemoryGuard, which stops a load that cannot fit."""
 
 from __future__ import annotations
 
@@ -43,3 +44,48 @@ def test_release_free_memory_returns_heap_holes():
                          check=True)
     released = int(out.stdout.strip())
     assert released > 200 * 2**20, released  # ~350 MB of the 375 MB freed
+
+
+def _available(monkeypatch, n: int | None) -> None:
+    monkeypatch.setattr(loader, "host_memory", lambda: (1 << 40, n))
+
+
+def test_guard_refuses_a_kv_pool_beyond_memory_before_anything_loads(monkeypatch):
+    _available(monkeypatch, 1 << 30)
+    with pytest.raises(ValueError, match=r"KV cache pool \(2.0 GiB\) is larger than the 1.0 GiB"):
+        loader.MemoryGuard(2 << 30, 4, "float32", False)
+
+
+def test_guard_projects_the_layers_to_come(monkeypatch):
+    """One layer of four built, 1 GiB each: 4 GiB of layers need not have been
+    built to know they do not fit in 3 GiB."""
+    _available(monkeypatch, 3 << 30)
+    g = loader.MemoryGuard(0, 4, "float32", False)
+    g.check()
+    g.layer_bytes.append(1 << 30)
+    with pytest.raises(ValueError, match=r"about 4.0 GiB as loaded \(float32\).*stopped after 1 "
+                                         r"of 4 layers\); quantize it"):
+        g.check()
+
+
+def test_guard_allows_first_layers_larger_than_the_rest(monkeypatch):
+    """Q4_K_M's first layers hold more bits (1.27x a plain layer on an 8B): a
+    model that fits exactly is not refused on their evidence."""
+    plain, big, layers, base, kv = 100 << 20, 127 << 20, 32, 500 << 20, 1 << 30
+    sizes = [big] * 4 + [plain] * (layers - 4)
+    _available(monkeypatch, base + sum(sizes) + kv)
+    g = loader.MemoryGuard(kv, layers, "the file's block formats", True)
+    g.base = base
+    for s in sizes:
+        g.layer_bytes.append(s)
+        g.check()
+    g.layer_bytes.append(1)  # a byte more than there is: refused, whatever the projection
+    with pytest.raises(ValueError, match="use a smaller model or fewer bits"):
+        g.check()
+
+
+def test_guard_is_off_where_memory_is_unknown(monkeypatch):
+    _available(monkeypatch, None)
+    g = loader.MemoryGuard(1 << 50, 1, "float32", False)
+    g.layer_bytes.append(1 << 50)
+    g.check()
