@@ -20,7 +20,7 @@ import torch
 
 from tandem.config import EngineConfig, host_memory, resolve_dtype
 from tandem.core.detokenizer import IncrementalDetokenizer
-from tandem.core.kv_cache_manager import KVCacheManager, group_layers
+from tandem.core.kv_cache_manager import KVCacheGroups, KVCacheManager, group_layers
 from tandem.core.output_processor import EngineCoreOutput, process_output
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler import Scheduler
@@ -70,6 +70,7 @@ class LLMEngine:
         # So is a --max-model-len beyond the model's window (its config.json alone).
         model_config = ModelConfig.from_hf(read_hf_config(self.model_dir))
         _check_max_model_len(config, model_config)
+        self._check_pool_before_load(model_config)
         # On CPU the load stops as soon as the weights show they cannot fit
         # beside the KV pool (loader.MemoryGuard), not when the kernel kills it.
         self.model = load_model(
@@ -101,36 +102,32 @@ class LLMEngine:
         self.num_steps = 0
 
     # ------------------------------------------------------------------ set-up
-    def _init_kv_cache(self) -> None:
-        cfg, c = self.model_config, self.config
-        # The element type the pool holds ("auto" resolved once, here).
-        self.kv_cache_dtype = kv_cache_dtype_name(c.kv_cache_dtype, self.device, self.dtype)
-        layer_bytes = kv_cache_class(self.kv_cache_dtype).bytes_per_token_layer(
+    def _kv_layout(self, cfg: ModelConfig) -> tuple[str, int, KVCacheGroups, int]:
+        """The pool's element type ("auto" resolved once, here), a token's KV
+        bytes in one layer, the layers' KV cache groups and a block's bytes
+        (a block: block_size tokens of one group's layers)."""
+        c = self.config
+        kv_dtype = kv_cache_dtype_name(c.kv_cache_dtype, self.device, self.dtype)
+        layer_bytes = kv_cache_class(kv_dtype).bytes_per_token_layer(
             cfg.num_key_value_heads, cfg.head_dim)
-        bytes_per_token = cfg.num_hidden_layers * layer_bytes  # every layer's KV of a token
-        max_len = c.max_model_len or cfg.max_position_embeddings
         groups = group_layers([cfg.layer_window(i) for i in range(cfg.num_hidden_layers)],
-                              not c.disable_hybrid_kv_cache_manager, max_len)
-        block_bytes = groups.group_size * layer_bytes * c.block_size  # one group's layers
-        # An explicit budget holds for every step (vLLM's semantics); CPU's default
-        # follows the model's cost and caps prompt tokens in steps with decodes.
-        budget_tokens, prefill_cap, t1 = c.max_num_batched_tokens, None, 0.0
-        if budget_tokens is None and self.device.type == "cuda":
-            budget_tokens = 8192
-        elif budget_tokens is None:
-            budget_tokens, prefill_cap, t1 = self._cpu_token_budgets()
-        if c.kv_cache_memory is None and self.device.type == "cuda":
-            budget = self._cuda_kv_budget(budget_tokens)
-        else:
-            budget = self._set_kv_bytes()
+                              not c.disable_hybrid_kv_cache_manager,
+                              c.max_model_len or cfg.max_position_embeddings)
+        return kv_dtype, layer_bytes, groups, groups.group_size * layer_bytes * c.block_size
+
+    def _pool_blocks(self, groups: KVCacheGroups, block_bytes: int, max_len: int, budget: int,
+                     chunk: int) -> tuple[int, int]:
+        """(blocks, the context they hold up to max_len) of a pool of ``budget``
+        bytes whose requests' steps compute up to ``chunk`` tokens each;
+        ValueError when it cannot hold the --max-model-len context (or 2 tokens,
+        without one)."""
+        c = self.config
         num_blocks = budget // block_bytes
         if num_blocks < 1:
             raise ValueError(
                 f"the KV cache budget ({budget} bytes) holds no block of {block_bytes} bytes; "
                 "raise --kv-cache-memory / --gpu-memory-utilization"
             )
-        # The most tokens one step computes for a request: a window group keeps them.
-        chunk = budget_tokens if c.enable_chunked_prefill else max(budget_tokens, max_len)
 
         def blocks_for(n: int) -> int:
             return groups.blocks_for(n, c.block_size, chunk)
@@ -143,6 +140,40 @@ class LLMEngine:
                     f"pool holds {num_blocks} ({fits} tokens); raise --kv-cache-memory or "
                     "lower --max-model-len"
                 )
+            max_len = fits
+        return num_blocks, max_len
+
+    def _check_pool_before_load(self, cfg: ModelConfig) -> None:
+        """A pool of a set size that cannot hold the context fails before the
+        weights load (minutes for an 8B), not after: at the fewest blocks a
+        request can hold (steps of one token; a window group keeps a step's
+        tokens too, and the step budget is measured on the loaded model)."""
+        if self.config.kv_cache_memory is not None or self.device.type == "cpu":
+            _, _, groups, block_bytes = self._kv_layout(cfg)
+            self._pool_blocks(groups, block_bytes,
+                              self.config.max_model_len or cfg.max_position_embeddings,
+                              self._set_kv_bytes(), chunk=1)
+
+    def _init_kv_cache(self) -> None:
+        cfg, c = self.model_config, self.config
+        self.kv_cache_dtype, layer_bytes, groups, block_bytes = self._kv_layout(cfg)
+        bytes_per_token = cfg.num_hidden_layers * layer_bytes  # every layer's KV of a token
+        max_len = c.max_model_len or cfg.max_position_embeddings
+        # An explicit budget holds for every step (vLLM's semantics); CPU's default
+        # follows the model's cost and caps prompt tokens in steps with decodes.
+        budget_tokens, prefill_cap, t1 = c.max_num_batched_tokens, None, 0.0
+        if budget_tokens is None and self.device.type == "cuda":
+            budget_tokens = 8192
+        elif budget_tokens is None:
+            budget_tokens, prefill_cap, t1 = self._cpu_token_budgets()
+        if c.kv_cache_memory is None and self.device.type == "cuda":
+            budget = self._cuda_kv_budget(budget_tokens)
+        else:
+            budget = self._set_kv_bytes()
+        # The most tokens one step computes for a request: a window group keeps them.
+        chunk = budget_tokens if c.enable_chunked_prefill else max(budget_tokens, max_len)
+        num_blocks, fits = self._pool_blocks(groups, block_bytes, max_len, budget, chunk)
+        if fits < max_len:
             logger.warning("max_model_len lowered from %d to the %d tokens the KV pool holds",
                            max_len, fits)
             max_len = fits
@@ -182,7 +213,8 @@ class LLMEngine:
             num_blocks * block_bytes / 2**30, bytes_per_token, cfg.num_hidden_layers,
             f"; {len(groups.windows)} groups, windows {groups.windows}: a request holds the "
             "windowed layers' blocks of its last window only" if groups.hybrid else "",
-            max_len, num_blocks / blocks_for(max_len), c.max_num_seqs, budget_tokens,
+            max_len, num_blocks / groups.blocks_for(max_len, c.block_size, chunk), c.max_num_seqs,
+            budget_tokens,
             "" if prefill_cap is None else f" ({prefill_cap} prompt tokens in steps with decodes)",
         )
 

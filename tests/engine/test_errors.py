@@ -114,6 +114,17 @@ def test_a_model_beyond_memory_stops_loading_at_its_first_layer(tiny_config_path
         assert built == checks
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    ({"kv_cache_memory": "1KiB"}, r"holds no block of 4096 bytes"),
+    # 2 layers x 2 KV heads of 16 at 2 bytes: 4 KiB a 16-token block
+    ({"kv_cache_memory": "16KiB", "max_model_len": 128},
+     r"a 128-token context needs 8 KV blocks but the pool holds 4 \(64 tokens\)"),
+])
+def test_a_pool_too_small_fails_before_the_weights_load(unloadable, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(model=unloadable, load_format="dummy", skip_tokenizer_init=True, **kwargs)
+
+
 def test_engine_flags_validated():
     with pytest.raises(ValueError, match="max-num-seqs"):
         LLM(max_num_seqs=0)
