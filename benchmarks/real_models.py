@@ -2,9 +2,10 @@
 machine's bandwidth and compute ceilings, measured in the same run.
 
 Workload: synthetic Llama GGUFs at real shapes (benchmarks/synthetic_gguf.py:
-random weights, SmolLM2's tokenizer; cached), by default the 1B shape as F16, Q8_0,
-Q4_0 and Q4_K_M files (``--shape 8b`` for the 8B one, ``gemma3-1b`` for Gemma 3
-1B's layers). Each file is served by
+random weights, SmolLM2's tokenizer; cached), by default the 1.2B shape (24 layers,
+2048 wide, FFN 5632: the model the targets below were set on) as F16, Q8_0, Q4_0 and
+Q4_K_M files (``--shape 1b`` for the 1.66B one with an FFN of 8192, ``8b`` for the 8B,
+``gemma3-1b`` for Gemma 3 1B's layers). Each file is served by
 ``tandem serve --model FILE --kv-cache-memory K`` (``--quantization X`` only when given)
 and measured:
 
@@ -27,7 +28,7 @@ Baselines, measured in this run:
   the GGUF's tensor bytes excluding token_embd and norms). The GGUF figure is printed
   too, with its ceiling: what a step reads serving the file's own format. Plus the KV
   cache a decode step reads at the run's mean context (input + output / 2 tokens, at
-  the bytes a token the server logs): ~2% of the 1B shape's bytes at 128 + 128 tokens,
+  the bytes a token the server logs): ~2% of the 1.66B shape's bytes at 128 + 128 tokens,
   the larger part with a long ``--input-len``.
 * compute ceiling = matmul throughput of this CPU (torch.mm at M=128 of a 2048x2048
   matrix: fp32, bf16, and int8 through torch._int_mm) / the matmul FLOP one output
@@ -52,7 +53,7 @@ Targets: 1 stream >= 0.85 of the bandwidth ceiling; >= 200 tok/s at 16
 streams with p99 ITL <= 400 ms (1.2B int8); peak RSS during load <= 1.3 x
 (weights + KV pool), KV pool = the size the server logs at start-up (else --kv-cache-memory).
 
-    .venv/bin/python benchmarks/real_models.py [--shape 1b] [--types f16 q8_0 q4_0 q4_k_m]
+    .venv/bin/python benchmarks/real_models.py [--shape 1.2b] [--types f16 q8_0 q4_0 q4_k_m]
         [--quantization X] [--streams 1 16 32] [--prompts-per-stream 1] [--kv-cache-memory 2GiB]
         [--input-len 128] [--output-len 128]
 """
@@ -76,7 +77,7 @@ import httpx
 import torch
 from common import read_bandwidth_gbs
 from cpu_serving import wait_ready
-from synthetic_gguf import synthetic_gguf
+from synthetic_gguf import SHAPES, synthetic_gguf
 
 from tandem.tools.plan.devices import matmul_rate
 
@@ -400,7 +401,7 @@ def print_targets(results: list[Result], bw: float, int8_flops: float | None,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", nargs="+", default=["1b"], choices=["1b", "8b", "gemma3-1b"])
+    ap.add_argument("--shape", nargs="+", default=["1.2b"], choices=list(SHAPES))
     ap.add_argument("--types", nargs="+", default=["f16", "q8_0", "q4_0", "q4_k_m"])
     ap.add_argument("--quantization", default=None,
                     help="passed to tandem serve as --quantization (default: not passed)")

@@ -83,6 +83,9 @@ class Shape:
 
 SHAPES = {
     "1b": Shape(layers=24, hidden=2048, ffn=8192, heads=32, kv_heads=8, head_dim=64),
+    # 1.18 B matmul parameters: the 1.2B model (24 layers, 2048 wide, 2.2 GiB in F16)
+    # the targets were set on; "1b" has 1.56 B.
+    "1.2b": Shape(layers=24, hidden=2048, ffn=5632, heads=32, kv_heads=8, head_dim=64),
     "8b": Shape(layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128),
     "gemma3-1b": Shape(layers=26, hidden=1152, ffn=6912, heads=4, kv_heads=1, head_dim=256,
                        context=32768, rope_theta=1e6, rms_eps=1e-6, arch="gemma3",
