@@ -48,7 +48,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import LlamaFileType
 from gguf.quants import dequantize, quant_shape_to_byte_shape, quantize
 from quantization import TEXT, nll
-from synthetic_gguf import can_quantize, copy_fields, write_atomically
+from synthetic_gguf import K_FALLBACK, can_quantize, copy_fields, write_atomically
 
 from tandem import LLM
 from tandem.model.gguf import cache_root_dir, default_model_path
@@ -69,8 +69,6 @@ TYPES = {
     "Q4_0": LlamaFileType.MOSTLY_Q4_0,
 }
 FLOATS = frozenset({Q.F32, Q.F16, Q.BF16})
-# llama.cpp's stand-in for a K-quant on rows that are not whole 256-blocks.
-K_FALLBACK = {Q.Q6_K: Q.Q8_0, Q.Q5_K: Q.Q5_1, Q.Q4_K: Q.Q5_0}
 # Set by GGUFWriter itself, or rewritten for the new type.
 OWN_FIELDS = frozenset({"general.architecture", "general.file_type",
                         "general.quantization_version"})

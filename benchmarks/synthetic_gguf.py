@@ -102,17 +102,24 @@ TYPES = {
 K_BLOCKS = {Q.Q4_K: {0: 1e-4, 2: 1e-4}, Q.Q6_K: {208: 2.5e-5}}
 
 
-def tensor_type(qtype_name: str, name: str, layers: int) -> Q:
-    """A tensor's type in a file of type qtype_name (q4_k_m: llama.cpp's mix)."""
+# llama.cpp's stand-in for a K-quant on rows that are not whole 256-blocks.
+K_FALLBACK = {Q.Q6_K: Q.Q8_0, Q.Q5_K: Q.Q5_1, Q.Q4_K: Q.Q5_0}
+
+
+def tensor_type(qtype_name: str, name: str, layers: int, cols: int) -> Q:
+    """A tensor of rows of cols values' type in a file of type qtype_name (q4_k_m:
+    llama.cpp's mix, and its stand-ins where a row is not whole K-quant blocks, as
+    Gemma 3 1B's 1152-wide ones)."""
     qtype = TYPES[qtype_name][0]
-    if qtype_name != "q4_k_m":
-        return qtype
-    if name == "output.weight":
-        return Q.Q6_K
-    if name.endswith(("attn_v.weight", "ffn_down.weight")):
-        i = int(name.split(".")[1])  # llama.cpp's use_more_bits
-        if i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2:
-            return Q.Q6_K
+    if qtype_name == "q4_k_m":
+        if name == "output.weight":
+            qtype = Q.Q6_K
+        elif name.endswith(("attn_v.weight", "ffn_down.weight")):
+            i = int(name.split(".")[1])  # llama.cpp's use_more_bits
+            if i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2:
+                qtype = Q.Q6_K
+    if cols % gguf.GGML_QUANT_SIZES[qtype][0]:
+        return K_FALLBACK.get(qtype, qtype)
     return qtype
 
 
@@ -254,7 +261,7 @@ def write_synthetic(path: Path, shape: str, qtype_name: str, *, seed: int = 0,
 
     tensors = tensor_list(s, vocab)
     params = 0
-    types = {name: tensor_type(qtype_name, name, s.layers) for name, _ in tensors}
+    types = {name: tensor_type(qtype_name, name, s.layers, shp[-1]) for name, shp in tensors}
     for name, shp in tensors:
         params += int(np.prod(shp))
         if len(shp) == 1:

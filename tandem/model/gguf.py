@@ -716,6 +716,29 @@ def _decode_q4_0(data: torch.Tensor) -> list:
     return [b[:, :, 2:], _f16(b, 0)]
 
 
+def _decode_q5_0(data: torch.Tensor) -> list:
+    """Q5_0 blocks (fp16 d, 32 high bits, 16 bytes of low nibbles: w = d (q - 16),
+    q in 0..31) are int8 groups of 32 exactly, q - 16 with scale d. llama.cpp
+    writes them where a K-quant's 256-wide super-blocks do not fit a row (Gemma
+    3 1B's 1152 inputs in a Q4_K_M file). The kernel when built, else torch:
+    the 118 Q5_0 tensors of such a file took 21-24 s through gguf's dequantize
+    and a requantization, 6.4-6.5 s in torch."""
+    from tandem.kernels import custom_ops
+
+    if custom_ops.available():
+        return torch.ops.tandem.q5_0_to_int8(data)
+    return _decode_q5_0_torch(data)
+
+
+def _decode_q5_0_torch(data: torch.Tensor) -> list:
+    """_decode_q5_0 in torch (the kernel's reference)."""
+    b = _blocks(data, 22)
+    bits = torch.arange(8, dtype=torch.uint8)
+    high = ((b[:, :, 2:6, None] >> bits) & 1).flatten(2)  # bit k of qh: value k's fifth bit
+    q = torch.cat((b[:, :, 6:] & 15, b[:, :, 6:] >> 4), -1) | (high << 4)
+    return [q.view(torch.int8) - 16, _f16(b, 0)]
+
+
 def _decode_q4_1(data: torch.Tensor) -> list:
     b = _blocks(data, 20)  # fp16 d, fp16 m, 16 bytes of nibbles: w = d q + m
     return [b[:, :, 4:], _f16(b, 0), _f16(b, 2)]
@@ -778,8 +801,8 @@ def _decode_q4_k_numpy(data: torch.Tensor) -> list:
 
 # Block formats read as tandem's int8 / int4 groups: exactly, but Q5_K (5 bits
 # and a minimum) and Q6_K (16-value sub-blocks), requantized to int8 groups.
-_BLOCK_DECODERS = {"Q8_0": _decode_q8_0, "Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1,
-                   "Q4_K": _decode_q4_k, "Q5_K": _requantized("Q5_K"),
+_BLOCK_DECODERS = {"Q8_0": _decode_q8_0, "Q5_0": _decode_q5_0, "Q4_0": _decode_q4_0,
+                   "Q4_1": _decode_q4_1, "Q4_K": _decode_q4_k, "Q5_K": _requantized("Q5_K"),
                    "Q6_K": _requantized("Q6_K")}
 
 

@@ -679,17 +679,17 @@ def test_a_tensor_cut_off_by_the_file_end_is_named(tmp_path, mapped):
             native.pop(last)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q4_0", "Q4_1"])
 def test_block_formats_are_read_exactly(tmp_path, qtype):
-    """Q8_0 as int8 groups and Q4_0 / Q4_1 as int4 groups, Q/K rows unpermuted:
-    dequantized, bit for bit what transformers loads."""
+    """Q8_0 and Q5_0 as int8 groups and Q4_0 / Q4_1 as int4 groups, Q/K rows
+    unpermuted: dequantized, bit for bit what transformers loads."""
     src = _write_tiny_gguf(tmp_path / "q.gguf", "llama", heads=4, kv=2, hidden=64, ffn=96,
                            qtype=qtype)
     out = tg.gguf_to_hf_dir(src, cache_root=tmp_path / "cache", weights=True)
     native = tg.GGUFWeights(src)
     assert native.quantized
     kind = native.pop("model.layers.0.self_attn.q_proj.weight").kind
-    assert kind == ("int8" if qtype == "Q8_0" else "int4")
+    assert kind == ("int8" if qtype in ("Q8_0", "Q5_0") else "int4")
     _assert_same_weights(out, _hf_state_dict(src), tied=True, src=src)
 
 
@@ -789,6 +789,24 @@ def test_requantized_k_quants_without_kernels(monkeypatch):
         ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]))
         step = scale.float().repeat_interleave(32, 1)
         assert ((w - ref).abs() <= step / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernel", "torch"])
+def test_q5_0_blocks_are_int8_groups_exactly(monkeypatch, kernels):
+    """Q5_0 (llama.cpp's stand-in for Q4_K on rows of no whole 256-blocks): the
+    kernel and its torch reference give gguf's own values, as int8 groups."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    if kernels and not custom_ops.available():
+        pytest.skip("tandem's CPU kernels are unavailable")
+    monkeypatch.setattr(custom_ops, "available", lambda: kernels)
+    raw = _k_blocks(np.random.default_rng(3), 5, 3, 22, [0])
+    data, scale = tg._BLOCK_DECODERS["Q5_0"](torch.from_numpy(raw))
+    assert data.dtype == torch.int8 and data.shape == (5, 3, 32)
+    assert int(data.min()) >= -16 and int(data.max()) <= 15
+    ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q5_0))
+    assert torch.equal(tg._quantized_weight(data, scale).dequantize(), ref)
 
 
 def test_unsupported_architecture_is_named(tmp_path):

@@ -1,9 +1,10 @@
 // GGUF's K-quant blocks as tandem's groups of 32, at load time: Q4_K as int4
 // groups (exact up to the fp16 rounding of each group's scale and lo), Q5_K
 // and Q6_K requantized to int8 groups (Q8_0's rule: scale absmax / 127 in
-// fp16). The reference is tandem/model/gguf.py (_decode_q4_k, and gguf's
-// dequantize then quantize_int8_groups for the others): same float operations
-// in the same order, so the same bits. Q4_K_M and Q5_K_M files are mostly
+// fp16); and Q5_0 as int8 groups exactly. The reference is
+// tandem/model/gguf.py (_decode_q4_k, _decode_q5_0, and gguf's dequantize then
+// quantize_int8_groups for the others): same float operations in the same
+// order, so the same bits. Q4_K_M and Q5_K_M files are mostly
 // these formats; numpy took ~10 ms per MB of Q4_K and held an fp32 copy of
 // each requantized tensor (2.1 GB for an 8B model's LM head).
 #pragma once
@@ -15,7 +16,7 @@ namespace tandem {
 namespace {
 
 constexpr int64_t kSuperBlock = 256;  // values per K-quant super-block
-constexpr int64_t kQ4KBytes = 144, kQ5KBytes = 176, kQ6KBytes = 210;
+constexpr int64_t kQ4KBytes = 144, kQ5KBytes = 176, kQ6KBytes = 210, kQ5_0Bytes = 22;
 
 // Contiguous rows of whole super-blocks: [rows, blocks * size] uint8.
 int64_t check_blocks(const at::Tensor& raw, int64_t size, const char* what) {
@@ -75,6 +76,34 @@ std::vector<at::Tensor> q4_k_to_int4(const at::Tensor& raw) {
       }
   });
   return {data, scale, lo};
+}
+
+// Q5_0 blocks (fp16 d; 4 bytes whose bit i is value i's fifth bit; 16 bytes
+// of nibbles, value i low and 16 + i high in byte i): w = d (q - 16) -> int8
+// groups [rows, G, 32] of q - 16, fp16 scale d [rows, G]: the same values.
+std::vector<at::Tensor> q5_0_to_int8(const at::Tensor& raw) {
+  const int64_t G = check_blocks(raw, kQ5_0Bytes, "q5_0_to_int8"), rows = raw.size(0);
+  auto data = at::empty({rows, G, 32}, raw.options().dtype(at::kChar));
+  auto scale = at::empty({rows, G}, raw.options().dtype(at::kHalf));
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  int8_t* dq = data.data_ptr<int8_t>();
+  auto* ds = reinterpret_cast<uint16_t*>(scale.data_ptr<at::Half>());
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++)
+      for (int64_t g = 0; g < G; g++) {
+        const uint8_t* blk = src + r * raw.stride(0) + g * kQ5_0Bytes;
+        uint32_t qh;
+        std::memcpy(&ds[r * G + g], blk, 2);
+        std::memcpy(&qh, blk + 2, 4);
+        const uint8_t* qs = blk + 6;
+        int8_t* out = dq + (r * G + g) * 32;
+        for (int i = 0; i < 16; i++) {
+          out[i] = static_cast<int8_t>(((qs[i] & 15) | (((qh >> i) & 1) << 4)) - 16);
+          out[16 + i] = static_cast<int8_t>(((qs[i] >> 4) | (((qh >> (16 + i)) & 1) << 4)) - 16);
+        }
+      }
+  });
+  return {data, scale};
 }
 
 // Super-blocks of `size` bytes -> int8 groups of 32 [rows, G, 32] with fp16

@@ -70,6 +70,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def("pack_tile_bytes(Tensor(a!) dest, Tensor src, int row0, int flip) -> ()");
   m.def("pack_tile_halves(Tensor(a!) dest, Tensor src, int row0, int offset) -> ()");
   m.def("q4_k_to_int4(Tensor raw) -> Tensor[]");
+  m.def("q5_0_to_int8(Tensor raw) -> Tensor[]");
   m.def("q5_k_to_int8(Tensor raw) -> Tensor[]");
   m.def("q6_k_to_int8(Tensor raw) -> Tensor[]");
   m.def("exp_weights(Tensor logits, Tensor temperature) -> (Tensor, Tensor)");
@@ -89,6 +90,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("pack_tile_bytes", &tandem::pack_tile_bytes);
   m.impl("pack_tile_halves", &tandem::pack_tile_halves);
   m.impl("q4_k_to_int4", &tandem::q4_k_to_int4);
+  m.impl("q5_0_to_int8", &tandem::q5_0_to_int8);
   m.impl("q5_k_to_int8", &tandem::q5_k_to_int8);
   m.impl("q6_k_to_int8", &tandem::q6_k_to_int8);
   m.impl("exp_weights", &tandem::exp_weights);
