@@ -37,7 +37,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from copy import copy
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -55,6 +55,26 @@ GRAMMAR_CACHE_SIZE = 256
 # model has seen, and no room for the endless-whitespace loop a flexible
 # whitespace rule lets a small model fall into.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def closed_objects(schema: Any, in_all_of: bool = False) -> Any:
+    """``schema`` with ``"additionalProperties": false`` on each object that lists
+    its properties and says nothing of others, as vLLM's default backend
+    (xgrammar's strict mode) and Ollama (llama.cpp's converter) compile it:
+    JSON Schema itself lets any other key in, and a sampled model adds them
+    (a pydantic model's schema, which Ollama's docs pass as ``format``, never
+    says). The parts of an ``allOf`` stay open: closed each to its own
+    properties, no object could satisfy two of them."""
+    if isinstance(schema, list):
+        return [closed_objects(v, in_all_of) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_objects(v, k == "allOf" and isinstance(v, list) and len(v) > 1)
+           for k, v in schema.items()}
+    if (not in_all_of and isinstance(schema.get("properties"), dict)
+            and "additionalProperties" not in schema and "patternProperties" not in schema):
+        out["additionalProperties"] = False
+    return out
 
 
 def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
@@ -148,7 +168,8 @@ class StructuredOutputManager:
                 llg.LLTokenizer.json_slices())
         try:
             if field == "json":
-                grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+                schema = json.dumps(closed_objects(json.loads(text)))
+                grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
             elif field == "json_object":
                 grammar = llg.LLMatcher.grammar_from_json_schema(
                     '{"type": "object"}', defaults=JSON_OPTIONS)

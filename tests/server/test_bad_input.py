@@ -229,6 +229,27 @@ def test_unknown_fields_are_ignored(real_server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": CHAT, "n": None, "logprobs": None, "stream": None,
+                              "temperature": None, "stop": None, "tools": None,
+                              "tool_choice": None, "stream_options": None}),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": False, "top_logprobs": 0}),
+    ("/v1/completions", {"prompt": "hi", "n": None, "echo": None, "stream": None}),
+    ("/v1/responses", {"input": "hi", "stream": None, "parallel_tool_calls": None}),
+    ("/api/generate", {**OLLAMA, "raw": None, "options": {"temperature": None}}),
+])
+def test_null_is_the_fields_default(real_server, path, body):
+    """The OpenAI SDK sends a Python None as null (``n=None``), which OpenAI and
+    Ollama's decoder read as the default."""
+    limit = {"max_output_tokens": 2} if path == "/v1/responses" else {"max_tokens": 2}
+    if path.startswith("/api/"):
+        limit = {}
+    r = httpx.post(f"{real_server.url}{path}", headers=real_server.headers,
+                   json={**body, **limit}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("application/json")  # null stream: not streamed
+
+
 def test_wrong_method_and_path(real_server):
     assert httpx.get(f"{real_server.url}/v1/chat/completions",
                      headers=real_server.headers).status_code == 405

@@ -157,6 +157,33 @@ def test_ollama_format_schema_and_json(ollama_client):
         assert isinstance(json.loads(text), dict)
 
 
+def test_a_schema_silent_on_other_keys_gets_none(ollama_client):
+    """A pydantic model's schema (what Ollama's docs pass as format) never says
+    additionalProperties: its objects are closed, as Ollama and vLLM compile
+    them, so no sampled seed adds a key."""
+    class Pet(BaseModel):
+        name: str = Field(max_length=20)
+        age: int = Field(ge=0, le=30)
+
+    schema = Pet.model_json_schema()
+    assert "additionalProperties" not in schema
+    for seed in range(4):
+        r = ollama_client.chat(model="smollm2", messages=[{"role": "user", "content": "A pet?"}],
+                               format=schema, options={"temperature": 1.0, "top_k": 0,
+                                                       "seed": seed, "num_predict": 60})
+        assert r.done_reason == "stop", r.message.content
+        assert set(json.loads(r.message.content)) == {"name", "age"}
+
+
+def test_a_tool_without_parameters_is_called_with_none(client):
+    """OpenAI: a function without parameters has an empty parameter list."""
+    tools = [{"type": "function", "function": {"name": "now", "description": "current time"}}]
+    r = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "What time is it?"}], tools=tools,
+        tool_choice={"type": "function", "function": {"name": "now"}}, max_tokens=40, **HOT)
+    assert [c.function.arguments for c in r.choices[0].message.tool_calls] == ["{}"]
+
+
 @pytest.mark.parametrize("fmt,words", [("yaml", 'format must be "json"'),
                                        ({"type": "nope"}, "format")])
 def test_ollama_bad_format_is_a_400(real_server, fmt, words):

@@ -171,3 +171,25 @@ def test_sampler_applies_the_grammar_mask_to_greedy_and_random_rows():
         out = Sampler()(logits, meta).sampled_token_ids.tolist()
         assert out[0] == int(logits[0].argmax()) and out[1] in ok and out[2] in ok
     assert out[1] == max(ok, key=lambda t: logits[1, t])
+
+
+def test_closed_objects_closes_what_lists_its_properties():
+    from tandem.worker.structured_output import closed_objects
+
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {}},
+                                               "b": {"type": "object"}},
+              "$defs": {"D": {"properties": {"x": {}}, "additionalProperties": True}},
+              "items": [{"properties": {"y": {}}, "patternProperties": {"^z": {}}}],
+              "allOf": [{"properties": {"p": {}}}, {"properties": {"q": {}}}],
+              "anyOf": [{"allOf": [{"properties": {"r": {"properties": {}}}}]}]}
+    got = closed_objects(schema)
+    assert got["additionalProperties"] is False
+    assert got["properties"]["a"]["additionalProperties"] is False
+    assert "additionalProperties" not in got["properties"]["b"]  # any object
+    assert got["$defs"]["D"]["additionalProperties"] is True  # said: kept
+    assert "additionalProperties" not in got["items"][0]  # pattern keys allowed
+    assert all("additionalProperties" not in part for part in got["allOf"])
+    only = got["anyOf"][0]["allOf"][0]  # a lone allOf part is the schema itself
+    assert only["additionalProperties"] is False
+    assert only["properties"]["r"]["additionalProperties"] is False
+    assert schema["properties"]["a"] == {"type": "object", "properties": {}}  # not modified

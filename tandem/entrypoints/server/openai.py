@@ -183,7 +183,7 @@ async def chat_completions(request: Request):
     if req.functions:
         raise bad_request("functions (deprecated by OpenAI) are not supported; send tools",
                           "functions")
-    if req.top_logprobs is not None and not req.logprobs:
+    if req.top_logprobs and not req.logprobs:  # 0 asks for nothing (vLLM's rule)
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     logprobs.check_top(req.top_logprobs, "top_logprobs")
     state.check_fan_out(req.n)

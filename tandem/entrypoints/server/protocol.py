@@ -7,7 +7,8 @@ Known features tandem does not implement (images, logit bias, legacy
 ``functions``) are rejected explicitly rather than silently ignored.
 
 Types are strict, as OpenAI's and Ollama's own decoders are: ``"max_tokens": true``
-or ``"5"`` is a 400, not 1 or 5 (pydantic's lax mode turns a bool into an int).
+or ``"5"`` is a 400, not 1 or 5 (pydantic's lax mode turns a bool into an int);
+null is the field's default.
 An int converts to a float field; only Ollama's ``options`` take a whole float
 for an integer, as Ollama's option decoding does.
 """
@@ -19,7 +20,14 @@ import logging
 import re
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 from starlette.requests import Request
 
 from tandem.entrypoints.server.errors import APIError, from_validation_error
@@ -27,6 +35,16 @@ from tandem.entrypoints.server.errors import APIError, from_validation_error
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """A field sent as null takes its default, as OpenAI's nullable fields and
+        Ollama's decoder treat it: the OpenAI SDK sends a Python None as null
+        (``n=None``), which a strict int rejected."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 def _number(value: Any) -> Any:

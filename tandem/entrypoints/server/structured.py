@@ -150,7 +150,9 @@ class ToolPlan:
         return [t["function"]["name"] for t in self.tools]
 
     def _parameters(self, i: int) -> dict[str, Any]:
-        return self.tools[i]["function"].get("parameters") or {"type": "object"}
+        # None: no arguments, OpenAI's reading of a function without parameters.
+        return self.tools[i]["function"].get("parameters") or {"type": "object",
+                                                                 "properties": {}}
 
     def constraint(self) -> Constraint | None:
         """required: a JSON list of calls (one if not parallel); a named function: its
