@@ -145,6 +145,15 @@ def test_model_listing_endpoints(client, real_server):
     assert httpx.get(real_server.url + "/api/version").json()["version"]
 
 
+def test_pulling_the_served_model_succeeds_and_others_are_named(client):
+    """Clients that pull before use go on: the served model is there already."""
+    assert client.pull("smollm2").status == "success"
+    assert [p.status for p in client.pull("smollm2:latest", stream=True)] == ["success"]
+    with pytest.raises(ollama.ResponseError) as e:
+        client.pull("llama3.2:1b")
+    assert e.value.status_code == 404 and "llama3.2:1b" in e.value.error
+
+
 def test_empty_prompt_is_a_load_request(client):
     r = client.generate(model="smollm2", prompt="")
     assert r.done and r.done_reason == "load" and r.response == ""

@@ -224,6 +224,25 @@ def test_tokenize_detokenize_round_trip(real_server):
     assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
 
 
+def test_tokenize_counts_the_tools_chat_renders(client, real_server):
+    """/tokenize with tools (vLLM's field) counts what a chat completion's prompt is."""
+    tools = [{"type": "function", "function": {
+        "name": "weather", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}}}}}]
+    messages = [*CHAT, {"role": "assistant", "tool_calls": [{
+        "id": "c1", "type": "function",
+        "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    tok = httpx.post(f"{real_server.url}/tokenize", headers=real_server.headers,
+                     json={"messages": messages, "tools": tools}).json()
+    r = client.chat.completions.create(model="smollm2", messages=messages, tools=tools,
+                                       max_tokens=1)
+    assert tok["count"] == r.usage.prompt_tokens
+    bare = httpx.post(f"{real_server.url}/tokenize", headers=real_server.headers,
+                      json={"messages": messages}).json()
+    assert bare["count"] < tok["count"]
+
+
 def test_continue_final_message(client, real_server):
     """vLLM's continue_final_message: the last (assistant) message is left open and the
     model goes on with it; the prompt ends with its text, not a new turn's header."""

@@ -44,6 +44,7 @@ from tandem.entrypoints.server.protocol import (
     OllamaChatRequest,
     OllamaGenerateRequest,
     OllamaOptions,
+    OllamaPullRequest,
     OllamaShowRequest,
 )
 from tandem.entrypoints.server.state import ServerState
@@ -155,6 +156,22 @@ async def show(request: Request) -> dict:
         "capabilities": ["completion", "tools"],
         "modified_at": datetime.fromtimestamp(c.created, timezone.utc).isoformat(),
     }
+
+
+@router.post("/api/pull")
+async def pull(request: Request):
+    """The served model is there already: success, as Ollama answers a pull of a
+    model it has (clients that pull before use go on); any other is a 404
+    naming what is served. Nothing is downloaded."""
+    state = _state(request)
+    req = await state.read(request, OllamaPullRequest)
+    name = req.model or req.name
+    if not name:
+        raise bad_request("model is required", "model")
+    state.check_model(name, ollama=True)
+    if req.stream:  # Ollama's progress lines: here only the last
+        return Response(b'{"status":"success"}\n', media_type="application/x-ndjson")
+    return {"status": "success"}
 
 
 # ------------------------------------------------------------- generation

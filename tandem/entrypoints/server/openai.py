@@ -96,7 +96,9 @@ async def tokenize(request: Request) -> dict:
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("send either 'prompt' or 'messages'", "prompt")
     if req.messages is not None:
-        ids = await _chat_ids(state, req)
+        plan = plan_tools(req.tools, None, True,
+                          state.tokenizer.chat_template if req.tools else None)
+        ids = await _chat_ids(state, req, plan)
     else:
         ids = (await state.encode([req.prompt], "prompt", req.add_special_tokens))[0]
     return {"count": len(ids), "max_model_len": state.card.max_model_len, "tokens": ids}

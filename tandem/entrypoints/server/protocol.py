@@ -203,6 +203,7 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None  # rendered as chat completions render them (vLLM)
 
 
 class DetokenizeRequest(_Body):
@@ -339,6 +340,12 @@ class OllamaMessage(_Body):
 class OllamaChatRequest(_OllamaBody):
     messages: list[OllamaMessage] = Field(default_factory=list)
     tools: list[ChatTool] | None = None
+
+
+class OllamaPullRequest(_Body):
+    model: str | None = None
+    name: str | None = None  # older clients send "name"
+    stream: bool = True
 
 
 class OllamaShowRequest(_Body):
