@@ -133,7 +133,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, device_type: str, compute_dtype:
         return "bf16" if cpu_bf16 else "fp16"
     return compute_dtype
 
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1, "b": 1,
     "k": 10**3, "kb": 10**3, "kib": 2**10,
@@ -144,19 +144,28 @@ _UNITS = {
 
 
 def parse_bytes(value: str | int | float) -> int:
-    """'2GiB', '512MB', '1.5g' or a plain number of bytes -> bytes."""
+    """'2GiB', '512MB', '1.5g', '1e9' or a plain number of bytes -> bytes (at least 1)."""
     if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ValueError(f"memory size must be positive, got {value}")
-        return int(value)
-    m = _SIZE_RE.match(value)
-    unit = (m.group(2) or "").lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise ValueError(f"cannot parse memory size {value!r} (examples: 2GiB, 512MB, 1e9)")
-    n = int(float(m.group(1)) * _UNITS[unit])
-    if n <= 0:
-        raise ValueError(f"memory size must be positive, got {value!r}")
+        n = int(value)
+    else:
+        m = _SIZE_RE.match(value)
+        unit = (m.group(2) or "").lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(f"cannot parse memory size {value!r} (examples: 2GiB, 512MB, 1e9)")
+        n = int(float(m.group(1)) * _UNITS[unit])
+    if n < 1:  # 0.5 is positive but no whole byte
+        raise ValueError(f"memory size must be at least 1 byte, got {value!r}")
     return n
+
+
+def format_bytes(n: float) -> str:
+    """A size as people read it: '1.35 GiB', '512 MiB', '16 KiB', '100 B'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.2f} {unit}" if v < 10 else f"{v:.1f} {unit}" if v < 100 else \
+                f"{v:.0f} {unit}"
+    return f"{n:.0f} B"
 
 
 def available_cpus() -> int:

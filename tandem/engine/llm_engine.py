@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.config import EngineConfig, host_memory, resolve_dtype
+from tandem.config import EngineConfig, format_bytes, host_memory, resolve_dtype
 from tandem.core.detokenizer import IncrementalDetokenizer
 from tandem.core.kv_cache_manager import KVCacheGroups, KVCacheManager, group_layers
 from tandem.core.output_processor import EngineCoreOutput, process_output
@@ -124,9 +124,11 @@ class LLMEngine:
         c = self.config
         num_blocks = budget // block_bytes
         if num_blocks < 1:
+            flag = "--kv-cache-memory" if self.config.kv_cache_memory is not None or \
+                self.device.type == "cpu" else "--gpu-memory-utilization"
             raise ValueError(
-                f"the KV cache budget ({budget} bytes) holds no block of {block_bytes} bytes; "
-                "raise --kv-cache-memory / --gpu-memory-utilization"
+                f"the KV cache budget ({format_bytes(budget)}) holds no block of "
+                f"{format_bytes(block_bytes)}; raise {flag}"
             )
 
         def blocks_for(n: int) -> int:

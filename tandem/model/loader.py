@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from tandem.config import host_memory
+from tandem.config import format_bytes, host_memory
 from tandem.model.gguf import GGUFWeights, default_model_path, gguf_to_hf_dir
 from tandem.model.hugepages import HugePageArena
 from tandem.model.linear import (
@@ -214,8 +214,8 @@ class MemoryGuard:
         _, self.available = host_memory()
         if self.available is not None and reserved > self.available:
             raise ValueError(
-                f"the KV cache pool ({_gib(reserved)}) is larger than the {_gib(self.available)} "
-                "of memory available; lower --kv-cache-memory")
+                f"the KV cache pool ({format_bytes(reserved)}) is larger than the "
+                f"{format_bytes(self.available)} of memory available; lower --kv-cache-memory")
         self.base = 0  # bytes held besides the layers (embedding, LM head, final norm)
         self.layer_bytes: list[int] = []
 
@@ -229,18 +229,19 @@ class MemoryGuard:
         if held + self.reserved <= self.available and (
                 held + self.MARGIN * rest + self.reserved <= self.available):
             return
-        advice = ("use a smaller model or fewer bits" if self.quantized else
-                  "quantize it (--quantization int8 holds a weight in about 1 byte, int4 in "
-                  "about 0.6)")
+        need = held + rest
+        if need < self.available:  # the weights would fit: the pool beside them does not
+            advice = f"lower --kv-cache-memory to about {format_bytes(self.available - need)}"
+        elif self.quantized:
+            advice = "use a smaller model or fewer bits"
+        else:
+            advice = ("quantize it (--quantization int8 holds a weight in about 1 byte, int4 "
+                      "in about 0.6)")
         raise ValueError(
-            f"the model does not fit in memory: its weights need about {_gib(held + rest)} as "
-            f"loaded ({self.held_as}) beside the {_gib(self.reserved)} KV cache pool, and "
-            f"{_gib(self.available)} was available (stopped after {done} of {self.layers} "
-            f"layers); {advice}, or lower --kv-cache-memory")
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+            f"the model does not fit in memory: its weights need about {format_bytes(need)} "
+            f"as loaded ({self.held_as}) beside the {format_bytes(self.reserved)} KV cache "
+            f"pool, and {format_bytes(self.available)} was available (stopped after {done} of "
+            f"{self.layers} layers); {advice}")
 
 
 def held_bytes(*parts: Linear | torch.Tensor | None) -> int:
@@ -354,6 +355,11 @@ def fuse_weights(
         held_as = (quantization if quantization in ("int8", "int4") else
                    "the file's block formats" if quantized else str(dtype).removeprefix("torch."))
         guard = MemoryGuard(memory_reserve, cfg.num_hidden_layers, held_as, quantized)
+    # Counted from here: the embedding and LM head come first (an 8B's, in fp32,
+    # took 15-25 s before the first layer).
+    progress = _Progress(cfg.num_hidden_layers, "loading weights")
+    logger.info("loading weights: the embedding and LM head, then %d layers",
+                cfg.num_hidden_layers)
     try:
         lm = src.pop("lm_head.weight")
     except KeyError:  # tied: the LM head is the embedding
@@ -395,7 +401,6 @@ def fuse_weights(
         tied = isinstance(lm_head, DenseLinear) and lm_head.w is embed
         guard.base = held_bytes(embed, None if tied else lm_head, final_norm)
         guard.check()
-    progress = _Progress(cfg.num_hidden_layers, "loading weights")
     layers = []
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."

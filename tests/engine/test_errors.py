@@ -109,13 +109,16 @@ def test_a_model_beyond_memory_stops_loading_at_its_first_layer(tiny_config_path
         built.clear()
         monkeypatch.setattr(loader, "host_memory", lambda a=available: (1 << 40, a))
         with pytest.raises(ValueError, match=r"does not fit in memory.*\(float32\) beside the "
-                                             r"0.0 GiB KV cache pool.*quantize it"):
+                                             r"64.0 KiB KV cache pool.*lower --kv-cache-memory "
+                                             r"to about"):
             LLM(**kwargs)
         assert built == checks
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"kv_cache_memory": "1KiB"}, r"holds no block of 4096 bytes"),
+    ({"kv_cache_memory": "1KiB"}, r"\(1.00 KiB\) holds no block of 4.00 KiB; raise "
+                                  r"--kv-cache-memory$"),
+    ({"kv_cache_memory": 0.5}, r"memory size must be at least 1 byte, got 0.5"),
     # 2 layers x 2 KV heads of 16 at 2 bytes: 4 KiB a 16-token block
     ({"kv_cache_memory": "16KiB", "max_model_len": 128},
      r"a 128-token context needs 8 KV blocks but the pool holds 4 \(64 tokens\)"),
@@ -145,6 +148,7 @@ def run_cli(*args):
     (["generate", "", "--max-tokens", "2"], "empty"),
     (["generate", "hi", "--kv-cache-memory", "1KiB"], "KV cache"),
     (["generate", "hi", "--kv-cache-memory", "100000GiB"], "lower --kv-cache-memory"),
+    (["generate", "hi", "--kv-cache-memory", "1e3"], "holds no block of"),  # 1000 bytes
 ])
 def test_cli_errors_are_one_line(args, needle):
     r = run_cli(*args)

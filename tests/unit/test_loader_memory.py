@@ -52,7 +52,7 @@ def _available(monkeypatch, n: int | None) -> None:
 
 def test_guard_refuses_a_kv_pool_beyond_memory_before_anything_loads(monkeypatch):
     _available(monkeypatch, 1 << 30)
-    with pytest.raises(ValueError, match=r"KV cache pool \(2.0 GiB\) is larger than the 1.0 GiB"):
+    with pytest.raises(ValueError, match=r"KV cache pool \(2.00 GiB\) is larger than the 1.00 GiB"):
         loader.MemoryGuard(2 << 30, 4, "float32", False)
 
 
@@ -63,7 +63,7 @@ def test_guard_projects_the_layers_to_come(monkeypatch):
     g = loader.MemoryGuard(0, 4, "float32", False)
     g.check()
     g.layer_bytes.append(1 << 30)
-    with pytest.raises(ValueError, match=r"about 4.0 GiB as loaded \(float32\).*stopped after 1 "
+    with pytest.raises(ValueError, match=r"about 4.00 GiB as loaded \(float32\).*stopped after 1 "
                                          r"of 4 layers\); quantize it"):
         g.check()
 
@@ -79,8 +79,12 @@ def test_guard_allows_first_layers_larger_than_the_rest(monkeypatch):
     for s in sizes:
         g.layer_bytes.append(s)
         g.check()
-    g.layer_bytes.append(1)  # a byte more than there is: refused, whatever the projection
-    with pytest.raises(ValueError, match="use a smaller model or fewer bits"):
+    g.base += 1  # a byte more than there is: refused, whatever the projection
+    with pytest.raises(ValueError, match="32 of 32 layers\\); lower --kv-cache-memory to "
+                                         "about 1024 MiB$"):
+        g.check()
+    g.base += kv  # the weights alone do not fit: no pool size helps
+    with pytest.raises(ValueError, match="use a smaller model or fewer bits$"):
         g.check()
 
 

@@ -368,7 +368,8 @@ def run_server(load: Loader, config: ServerConfig, host: str, port: int,
             return load()
         except BaseException as e:
             failure.append(e)
-            logger.error("the model failed to load: shutting down")
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            logger.error("the model failed to load (%s): shutting down", reason)
             server.should_exit = True
             raise
 
