@@ -10,6 +10,7 @@ server may import it, and every rule is tested on synthetic numbers.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 # Thresholds: each is the line between "fine" and "a user notices".
@@ -21,6 +22,7 @@ KV_FULL = 0.9  # KV cache usage at or above this: the next request preempts or w
 STALL_S = 0.5  # a gap in a running stream this long is a visible stutter ...
 STALL_FACTOR = 3.0  # ... when it is also this many times the stream's usual gap
 CEILING_LOW = 0.5  # decode below this fraction of the bandwidth ceiling: time goes elsewhere
+CEILING_HIGH = 1.3  # decode above this fraction of it: the ceiling's inputs are wrong
 CONTEXT_DROP = 0.25  # decode this much slower at the long prompt: the KV read is visible
 COLD_START_S = 1.0  # the first request paid this much more than later ones: a model load
 
@@ -191,18 +193,43 @@ def prefill_finding(kind: str, why: str, evidence: str, values: dict[str, float]
     )
 
 
+def weight_bits(level: str | None) -> int | None:
+    """Bits a weight of the server's named format (F16, Q8_0, INT8, Q4_K_M...), if known."""
+    name = (level or "").upper()
+    if name in ("F32", "FP32"):
+        return 32
+    if name in ("F16", "BF16", "FP16"):
+        return 16
+    digits = re.match(r"(?:Q|INT|IQ)(\d)", name)
+    return int(digits.group(1)) if digits else None
+
+
+def fewer_bytes(kind: str, level: str | None) -> str:
+    """The advice for fewer bytes a token, from what the weights are already (the
+    server's quantization level): a model served as Q8_0 is told int4, one at 4
+    bits a smaller model (int8 would read more)."""
+    bits = weight_bits(level)
+    if bits is None or bits > 8:
+        return f"quantize the weights (8 bit halves the bytes read per token): " \
+               f"{knob(kind, 'quantize')}"
+    if bits == 8 and kind == "tandem":
+        return "4-bit weights: --quantization int4, or a Q4_0 / Q4_K_M file"
+    if bits == 8:
+        return f"a 4-bit quantization: {knob(kind, 'quantize')}"
+    return f"the weights are already {level} ({bits} bits): a smaller model reads fewer bytes"
+
+
 def slow_decode_finding(kind: str, evidence: str, values: dict[str, float],
-                        how_to_compare: str, fewer_bytes: str | None = None) -> Finding:
+                        how_to_compare: str, level: str | None = None) -> Finding:
     """``how_to_compare``: where the reader finds the bandwidth ceiling to compare with;
-    ``fewer_bytes``: the advice for fewer bytes a token where the weights' format is
-    known (a 4-bit model is not told to quantize)."""
+    ``level``: the weights' format where the server names it (a 4-bit model is not
+    told to quantize)."""
     return Finding(
         "slow_decode", "problem", "decode",
         "The text types out slowly: decode, which is memory-bandwidth bound",
         evidence,
         [
-            fewer_bytes or f"quantize the weights (8 bit halves the bytes read per token): "
-                           f"{knob(kind, 'quantize')}",
+            fewer_bytes(kind, level),
             f"compare with the bandwidth ceiling ({how_to_compare})",
             f"lower the per-step token budget if long prompts run alongside: "
             f"{knob(kind, 'budget')}",
@@ -280,6 +307,7 @@ class LiveFigures:
     itl_p99_s: float | None = None
     ttft_target_s: float | None = None  # the server's --slo-ttft-ms; None: TTFT_TARGET_S
     itl_target_s: float | None = None  # --slo-itl-ms; None: reading speed, 1 / READABLE_TOK_S
+    quantization_level: str | None = None  # the weights' format, as /api/tags names it
 
 
 def diagnose_live(f: LiveFigures, kind: str = "tandem") -> list[Finding]:
@@ -322,7 +350,8 @@ def diagnose_live(f: LiveFigures, kind: str = "tandem") -> list[Finding]:
         found.append(slow_decode_finding(
             kind, f"inter-token latency p50 at least {ms(f.itl_p50_s)} {w}, over the "
             f"{ms(itl_target)} target: at most {1 / f.itl_p50_s:.1f} tok/s per stream",
-            {"itl_p50_s": f.itl_p50_s}, "tandem doctor --device or --bandwidth"))
+            {"itl_p50_s": f.itl_p50_s}, "tandem doctor --device or --bandwidth",
+            f.quantization_level))
     elif (f.itl_p50_s is not None and f.itl_p99_s is not None and f.prefill_tokens
           and f.itl_p99_s >= STALL_S and f.itl_p99_s >= STALL_FACTOR * f.itl_p50_s):
         found.append(stall_finding(

@@ -207,10 +207,15 @@ def test_slow_decode_and_the_ceiling():
     assert "slow_decode" not in fast and "below_ceiling" not in fast
     assert fast["at_ceiling"].severity == "ok"  # 20 tok/s of 27.9: only fewer bytes help
     assert decode_ceiling(healthy()) is None and "at_ceiling" not in rules(healthy())
+    # Twice what the ceiling allows: its bytes (e.g. --dtype fp32 for a Q4 server) are wrong.
+    wrong = rules(healthy(bandwidth_bytes_s=15e9, model_bytes=1.5e9))
+    assert "at_ceiling" not in wrong and wrong["ceiling_wrong"].severity == "warning"
+    assert "--model / --dtype" in wrong["ceiling_wrong"].knobs[0]
 
 
 @pytest.mark.parametrize("level,advice", [
-    (None, "quantize: --quantization int8"), ("F16", "quantize: --quantization int8"),
+    (None, "bytes read per token): --quantization int8"),
+    ("F16", "bytes read per token): --quantization int8"),
     ("Q8_0", "4-bit weights: --quantization int4"), ("INT8", "4-bit weights"),
     ("Q4_1", "already Q4_1 (4 bits): a smaller model"), ("Q4_K_M", "already Q4_K_M")])
 def test_at_the_ceiling_the_advice_follows_what_the_weights_are(level, advice):
@@ -314,7 +319,8 @@ def test_default_model_text_prompts_and_the_ceiling(real_server, capsys):
     assert m["short"]["prompt_tokens"] == 16 and m["long"]["prompt_tokens"] == 256
     assert m["notes"] == [] and m["short"]["cached_tokens"] == 0
     assert m["model_bytes_source"].startswith("smollm2-135m at fp32")
-    ceiling = next(f for f in r["findings"] if f["rule"] in ("at_ceiling", "below_ceiling"))
+    ceiling = next(f for f in r["findings"] if f["rule"] in ("at_ceiling", "below_ceiling",
+                                                           "ceiling_wrong"))
     assert ceiling["values"]["ceiling_tok_s"] == pytest.approx(20e9 / m["model_bytes"])
     assert ceiling["values"]["decode_tok_s"] == pytest.approx(
         (m["stream"]["output_tokens"] - 1) / m["stream"]["server_decode_s"])

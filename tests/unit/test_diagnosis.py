@@ -106,6 +106,11 @@ def test_decode_slow_or_stuttering():
                                                 prefill_tokens=0)  # no prompt to blame
     assert "slow_decode" not in {f.rule for f in diagnose_live(
         figures(itl_p50_s=0.15, itl_target_s=0.2))}
+    # Weights already at 4 bits are not told to quantize to 8 (it reads more).
+    four = rules(itl_p50_s=0.15, quantization_level="Q4_0")["slow_decode"]
+    assert four.knobs[0].startswith("the weights are already Q4_0 (4 bits): a smaller model")
+    assert rules(itl_p50_s=0.15, quantization_level="Q8_0")["slow_decode"].knobs[0] \
+        .startswith("4-bit weights: --quantization int4")
 
 
 def test_findings_are_ordered_like_the_doctors():
@@ -120,4 +125,4 @@ def test_the_shared_rules_import_nothing_but_the_standard_library():
     tree = ast.parse(Path(tandem.diagnosis.__file__).read_text())
     mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     mods |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert mods <= {"__future__", "dataclasses", "math"}, mods
+    assert mods <= {"__future__", "dataclasses", "math", "re"}, mods

@@ -256,6 +256,7 @@ class Dashboard:
             queue_p95_s=reached["queue"][1], ttft_p95_s=reached["ttft"][1],
             itl_p50_s=reached["itl"][0], itl_p99_s=reached["itl"][2],
             ttft_target_s=self.config.slo_ttft_s, itl_target_s=self.config.slo_itl_s,
+            quantization_level=self.state.card.quantization_level,
         )
         findings = diagnose_live(figures)
         order = {"prefill": 0, "decode": 1, "preempted": 2, "queued": 3}

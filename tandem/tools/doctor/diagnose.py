@@ -25,13 +25,13 @@ applies to its own figures.
 from __future__ import annotations
 
 import math
-import re
 import statistics
 import textwrap
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tandem.diagnosis import (
+    CEILING_HIGH,
     CEILING_LOW,
     COLD_START_S,
     CONTEXT_DROP,
@@ -44,6 +44,7 @@ from tandem.diagnosis import (
     TTFT_TARGET_S,
     Finding,
     cache_finding,
+    fewer_bytes,
     knob,
     ms,
     prefill_finding,
@@ -432,7 +433,7 @@ def _rule_slow_decode(m: Measurements) -> Finding | None:
     return slow_decode_finding(
         m.kind, ev, {"decode_tok_s": rate},
         "--bandwidth or --device here; tandem plan --measure for this machine",
-        None if m.quantization_level is None else _fewer_bytes(m))
+        m.quantization_level)
 
 
 def decode_ceiling(m: Measurements) -> float | None:
@@ -456,6 +457,14 @@ def _rule_ceiling(m: Measurements) -> Finding | None:
     )
     values = {"decode_tok_s": rate, "ceiling_tok_s": ceiling, "share": share}
     k = m.kind
+    if share > CEILING_HIGH:
+        return Finding(
+            "ceiling_wrong", "warning", "decode",
+            "Decode runs faster than the bandwidth ceiling allows: the ceiling's bytes or "
+            "bandwidth are wrong",
+            ev, ["check --model / --dtype are what the server holds (a quantized server reads "
+                 "fewer bytes a token), and --bandwidth / --device this machine's",
+                 "tandem plan --measure probes this machine's bandwidth"], values)
     if share < CEILING_LOW:
         knobs = [
             "check the whole model is in fast memory (no layers offloaded to CPU RAM, no swap)",
@@ -473,33 +482,9 @@ def _rule_ceiling(m: Measurements) -> Finding | None:
         "at_ceiling", "ok", "decode",
         "Decode runs near the bandwidth ceiling: only fewer bytes per token make one stream "
         "faster",
-        ev, [_fewer_bytes(m), "or a device with more memory bandwidth"], values,
+        ev, [fewer_bytes(m.kind, m.quantization_level), "or a device with more memory bandwidth"],
+        values,
     )
-
-
-def _weight_bits(level: str | None) -> int | None:
-    """Bits a weight of the server's named format (F16, Q8_0, INT8, Q4_K_M...), if known."""
-    name = (level or "").upper()
-    if name in ("F32", "FP32"):
-        return 32
-    if name in ("F16", "BF16", "FP16"):
-        return 16
-    digits = re.match(r"(?:Q|INT|IQ)(\d)", name)
-    return int(digits.group(1)) if digits else None
-
-
-def _fewer_bytes(m: Measurements) -> str:
-    """The advice for fewer bytes a token, from what the weights are already: a model
-    served as Q8_0 is told int4, one at 4 bits a smaller model (int8 would read more)."""
-    bits = _weight_bits(m.quantization_level)
-    if bits is None or bits > 8:
-        return f"quantize: {knob(m.kind, 'quantize')}"
-    if bits == 8 and m.kind == "tandem":
-        return "4-bit weights: --quantization int4, or a Q4_0 / Q4_K_M file"
-    if bits == 8:
-        return f"a 4-bit quantization: {knob(m.kind, 'quantize')}"
-    return (f"the weights are already {m.quantization_level} ({bits} bits): a smaller "
-            "model reads fewer bytes")
 
 
 def _rule_stall(m: Measurements) -> Finding | None:
