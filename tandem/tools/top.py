@@ -52,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None,
                    help="the server's --api-key (default: $OPENAI_API_KEY or $TANDEM_API_KEY)")
     p.add_argument("--once", action="store_true",
-                   help="print one frame and exit (scripts, logs)")
+                   help="print one frame and exit (scripts; not on a terminal every frame is "
+                        "printed as it comes)")
     p.add_argument("--timeout", type=float, default=10.0,
                    help="seconds to wait for the server and between frames (10)")
 
@@ -218,13 +219,17 @@ def watch(url: str, headers: dict[str, str], timeout_s: float, once: bool,
           console: Console) -> None:
     view = View(url)
     feed = events(url, headers, timeout_s)
-    if once:
+    if once or not console.is_terminal:  # not a terminal (a pipe, a log): frame after frame
+        printed = None
         for name, data in feed:
             view.update(name, data)
-            if view.frame is not None:
+            if view.frame is not None and view.frame is not printed:
                 console.print(view.render())
-                return
-        raise TopError("the feed ended before the first frame")
+                printed = view.frame
+                if once:
+                    return
+        raise TopError("the feed ended before the first frame" if printed is None else
+                       "the server closed the feed")
     with Live(view.render(), console=console, screen=True, auto_refresh=False) as live:
         for name, data in feed:
             view.update(name, data)

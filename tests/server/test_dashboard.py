@@ -210,6 +210,21 @@ def test_top_renders_one_frame(server, capsys):
     assert re.search(r"running\s+2\b", out)
 
 
+def test_top_not_on_a_terminal_prints_frame_after_frame(server):
+    """Piped into a file or a log, the screen-mode view would print nothing."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.entrypoints.cli", "top", server.url],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, _ = proc.communicate(timeout=6)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    assert out.count("doctor") >= 2, out  # two frames or more in 6 s (one a second)
+
+
 def test_top_says_why_it_cannot_watch(keyed_server, capsys):
     assert main(["top", keyed_server.url, "--once"]) == 2
     assert "--api-key" in capsys.readouterr().err
