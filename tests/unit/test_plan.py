@@ -242,6 +242,11 @@ def test_scenario_20_agents() -> None:
     assert "--kv-cache-dtype int8" in text and "--dtype int4" in text and "--context" in text
 
 
+def test_a_reserve_of_all_memory_is_an_error() -> None:
+    with pytest.raises(ValueError, match="--reserve .* leaves nothing"):
+        cap.plan(load_model("llama-3.1-8b"), DEVICES["rtx4090"], reserve_bytes=1e12)
+
+
 def test_quantized_weights_on_a_cpu_plan_with_its_int8_roof() -> None:
     """A CPU's int8 rate (VNNI) is the compute roof of int8/int4 weights; fp32 weights keep
     the fp32 one. On a CPU tandem measures its own token budget: no flag for it."""

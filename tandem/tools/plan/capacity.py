@@ -190,6 +190,9 @@ def plan(
     if util is None:
         util = DEFAULT_GPU_UTILIZATION if is_gpu else 1.0
     reserve = reserve_bytes if reserve_bytes is not None else (0 if is_gpu else DEFAULT_CPU_RESERVE)
+    if reserve >= device.memory_bytes * util:
+        raise ValueError(f"--reserve {gb(reserve)} leaves nothing of the device's "
+                         f"{gb(device.memory_bytes * util)} for the model")
 
     # Weights and the KV cache.
     w = weight_bytes(spec, wdtype)
