@@ -473,7 +473,8 @@ def _flags(p: Plan) -> None:
         # llama.cpp's cache keeps a windowed layer's window per slot.
         "ollama_reserved_bytes": n * p.model.attended_keys(c) * p.kv_bytes_per_token,
         "max_queue_reason": (
-            f"{p.max_queue} waiting requests drain through {n} slots in about one reply's time"
+            f"{_n(p.max_queue, 'waiting request')} {'drains' if p.max_queue == 1 else 'drain'}"
+            f" through {_n(n, 'slot')} in about one reply's time"
             + (f" (~{p.gen_seconds:g} s)" if p.gen_seconds else "")
             + "; past that, an immediate 503 with Retry-After that the client can retry "
             "beats a spinner that never resolves. vLLM and llama-server have no queue "
