@@ -190,6 +190,12 @@ def test_a_wait_with_the_cache_full_is_not_a_slots_finding():
     found = rules(full)
     assert "kv_cache_full" in found and "queue_waiting" not in found
     assert "queue_waiting" in rules(healthy(metrics_before=MetricsSample(2, 4, 0.4, 0)))
+    # Waiting while slots are free: the prompt budget, not the slots (as the live rules say).
+    free = rules(healthy(metrics_before=MetricsSample(2, 4, 0.4, 0), slots=64))
+    assert "queue_waiting" not in free and "at most 4 of 64 sequence slots" in \
+        free["prefill_queue"].evidence
+    assert "queue_waiting" in rules(healthy(metrics_before=MetricsSample(2, 4, 0.4, 0),
+                                            slots=4))
 
 
 def test_slow_decode_and_the_ceiling():

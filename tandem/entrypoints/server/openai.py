@@ -70,6 +70,9 @@ def _model_entry(state: ServerState, name: str) -> dict:
         "id": name, "object": "model", "created": card.created, "owned_by": "tandem",
         "root": card.root, "parent": None, "max_model_len": card.max_model_len,
         "permission": [],
+        # tandem's: the sequence slots (tandem doctor tells a full batch from a
+        # prefill budget by them)
+        "max_num_seqs": state.engine.model_info.max_num_seqs,
     }
 
 

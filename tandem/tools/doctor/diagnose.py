@@ -43,6 +43,7 @@ from tandem.diagnosis import (
     STALL_S,
     TTFT_TARGET_S,
     Finding,
+    budget_wait_finding,
     cache_finding,
     fewer_bytes,
     knob,
@@ -163,7 +164,7 @@ class Measurements:
     bandwidth_bytes_s: float | None = None
     bandwidth_source: str = ""
     gpu_share: float | None = None  # Ollama /api/ps: size_vram / size (None: not reported)
-    slots: int | None = None  # llama-server /props total_slots
+    slots: int | None = None  # llama-server's /props total_slots, tandem's max_num_seqs
     ttft_target_s: float = TTFT_TARGET_S
     notes: list[str] = field(default_factory=list)
 
@@ -288,7 +289,7 @@ def _rule_one_at_a_time(m: Measurements, cache_hit: bool) -> Finding | None:
     if m.pair_metrics_peak and m.pair_metrics_peak.waiting:
         ev += f"; vllm:num_requests_waiting reached {m.pair_metrics_peak.waiting:g}"
     if m.slots == 1:
-        ev += "; /props reports 1 slot"
+        ev += "; the server reports 1 slot"
     title = "The server runs one request at a time: every other user waits for a whole reply"
     if k == "ollama":
         title += " (Ollama's OLLAMA_NUM_PARALLEL=1 case)"
@@ -322,6 +323,14 @@ def _rule_queue(m: Measurements) -> Finding | None:
             values[f"{p.name}_queue_s"] = p.server_queue_s
     if not parts:
         return None
+    running = max((s.running or 0) for s in (m.metrics_before, m.metrics_peak) if s) \
+        if (m.metrics_before or m.metrics_peak) else None
+    if m.slots is not None and running is not None and running < m.slots:
+        # Waiting with slots free: what requests wait for is the per-step prompt budget.
+        values["peak_running"] = running
+        return budget_wait_finding(
+            m.kind, f"{'; '.join(parts)}; with at most {running:g} of {m.slots} sequence "
+            "slots in use", values)
     return queue_finding(m.kind, "; ".join(parts), values)
 
 

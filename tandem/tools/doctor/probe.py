@@ -187,6 +187,8 @@ def detect(client: httpx.Client, base: str, model: str | None = None) -> ServerI
     entry = next((m for m in openai_models if m.get("id") == chosen), None)
     if entry is not None and isinstance(entry.get("max_model_len"), int):
         info.max_model_len = entry["max_model_len"]
+    if info.slots is None and entry is not None and isinstance(entry.get("max_num_seqs"), int):
+        info.slots = entry["max_num_seqs"]  # tandem's
     meta = entry.get("meta") if isinstance(entry, dict) else None
     if isinstance(meta, dict) and isinstance(meta.get("size"), (int, float)):  # llama-server
         info.model_bytes, info.model_bytes_source = float(meta["size"]), "/v1/models meta.size"
