@@ -25,6 +25,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
+from typing import TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -66,6 +67,9 @@ NEVER = "9999-12-31T23:59:59Z"  # keep_alive forever: the model is never unloade
 
 public = APIRouter()
 router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+N = TypeVar("N", OllamaShowRequest, OllamaPullRequest)
 
 
 def _state(request: Request) -> ServerState:
@@ -124,14 +128,20 @@ async def ps(request: Request) -> dict:
     ]}
 
 
-@router.post("/api/show")
-async def show(request: Request) -> dict:
-    state = _state(request)
-    req = await state.read(request, OllamaShowRequest)
+async def _named_model(state: ServerState, request: Request, body: type[N]) -> N:
+    """A body naming a model (``model``, or older clients' ``name``): the served one, or a 404."""
+    req = await state.read(request, body)
     name = req.model or req.name
     if not name:
         raise bad_request("model is required", "model")
     state.check_model(name, ollama=True)
+    return req
+
+
+@router.post("/api/show")
+async def show(request: Request) -> dict:
+    state = _state(request)
+    await _named_model(state, request, OllamaShowRequest)
     c = state.card
     cfg = state.engine.model_info
     arch = c.family
@@ -163,12 +173,7 @@ async def pull(request: Request):
     """The served model is there already: success, as Ollama answers a pull of a
     model it has (clients that pull before use go on); any other is a 404
     naming what is served. Nothing is downloaded."""
-    state = _state(request)
-    req = await state.read(request, OllamaPullRequest)
-    name = req.model or req.name
-    if not name:
-        raise bad_request("model is required", "model")
-    state.check_model(name, ollama=True)
+    req = await _named_model(_state(request), request, OllamaPullRequest)
     if req.stream:  # Ollama's progress lines: here only the last
         return Response(b'{"status":"success"}\n', media_type="application/x-ndjson")
     return {"status": "success"}

@@ -37,6 +37,19 @@ int k_min(const uint8_t* sc, int j) {
   return j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
 }
 
+// What a decoder to int8 groups fills: int8 [rows, G, 32] and fp16 scales [rows, G].
+struct Int8Groups {
+  at::Tensor data, scale;
+  int8_t* q;
+  uint16_t* d;
+
+  Int8Groups(const at::Tensor& raw, int64_t rows, int64_t G)
+      : data(at::empty({rows, G, 32}, raw.options().dtype(at::kChar))),
+        scale(at::empty({rows, G}, raw.options().dtype(at::kHalf))),
+        q(data.data_ptr<int8_t>()),
+        d(reinterpret_cast<uint16_t*>(scale.data_ptr<at::Half>())) {}
+};
+
 }  // namespace
 
 // Q4_K super-blocks (fp16 d, dmin; 12 bytes of 6-bit scales and mins for 8
@@ -83,11 +96,10 @@ std::vector<at::Tensor> q4_k_to_int4(const at::Tensor& raw) {
 // groups [rows, G, 32] of q - 16, fp16 scale d [rows, G]: the same values.
 std::vector<at::Tensor> q5_0_to_int8(const at::Tensor& raw) {
   const int64_t G = check_blocks(raw, kQ5_0Bytes, "q5_0_to_int8"), rows = raw.size(0);
-  auto data = at::empty({rows, G, 32}, raw.options().dtype(at::kChar));
-  auto scale = at::empty({rows, G}, raw.options().dtype(at::kHalf));
+  Int8Groups out(raw, rows, G);
   const uint8_t* src = raw.data_ptr<uint8_t>();
-  int8_t* dq = data.data_ptr<int8_t>();
-  auto* ds = reinterpret_cast<uint16_t*>(scale.data_ptr<at::Half>());
+  int8_t* dq = out.q;
+  uint16_t* ds = out.d;
   at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++)
       for (int64_t g = 0; g < G; g++) {
@@ -96,14 +108,14 @@ std::vector<at::Tensor> q5_0_to_int8(const at::Tensor& raw) {
         std::memcpy(&ds[r * G + g], blk, 2);
         std::memcpy(&qh, blk + 2, 4);
         const uint8_t* qs = blk + 6;
-        int8_t* out = dq + (r * G + g) * 32;
+        int8_t* o = dq + (r * G + g) * 32;
         for (int i = 0; i < 16; i++) {
-          out[i] = static_cast<int8_t>(((qs[i] & 15) | (((qh >> i) & 1) << 4)) - 16);
-          out[16 + i] = static_cast<int8_t>(((qs[i] >> 4) | (((qh >> (16 + i)) & 1) << 4)) - 16);
+          o[i] = static_cast<int8_t>(((qs[i] & 15) | (((qh >> i) & 1) << 4)) - 16);
+          o[16 + i] = static_cast<int8_t>(((qs[i] >> 4) | (((qh >> (16 + i)) & 1) << 4)) - 16);
         }
       }
   });
-  return {data, scale};
+  return {out.data, out.scale};
 }
 
 // Super-blocks of `size` bytes -> int8 groups of 32 [rows, G, 32] with fp16
@@ -115,11 +127,10 @@ std::vector<at::Tensor> k_quant_to_int8(const at::Tensor& raw, int64_t size, con
                                         const Dequant& dequant) {
   const int64_t nsb = check_blocks(raw, size, what), rows = raw.size(0);
   const int64_t G = nsb * 8;
-  auto data = at::empty({rows, G, 32}, raw.options().dtype(at::kChar));
-  auto scale = at::empty({rows, G}, raw.options().dtype(at::kHalf));
+  Int8Groups out(raw, rows, G);
   const uint8_t* src = raw.data_ptr<uint8_t>();
-  int8_t* dq = data.data_ptr<int8_t>();
-  auto* ds = reinterpret_cast<uint16_t*>(scale.data_ptr<at::Half>());
+  int8_t* dq = out.q;
+  uint16_t* ds = out.d;
   at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
     float y[kSuperBlock];
     for (int64_t r = r0; r < r1; r++)
@@ -139,7 +150,7 @@ std::vector<at::Tensor> k_quant_to_int8(const at::Tensor& raw, int64_t size, con
         }
       }
   });
-  return {data, scale};
+  return {out.data, out.scale};
 }
 
 // Q6_K super-blocks (128 bytes of low nibbles, 64 of high 2-bit pairs, 16
