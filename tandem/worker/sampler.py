@@ -20,8 +20,10 @@ Exp(1) noise ~21 ns per element (16 ms for the full [16, 49k] tensor) and even
   never depends on the prefilter size.
 * Seeded rows draw their noise from their own generator with a shape that
   depends only on the vocabulary size, indexed by token position (not by
-  rank), so the same seed gives the same tokens whatever else is in the batch
-  and whichever path (prefilter or fallback) the row takes.
+  rank), so the same seed gives the same draws whatever else is in the batch
+  and whichever path (prefilter or fallback) the row takes: the same tokens
+  where the logits are the same (fp32 weights and KV cache; quantized
+  weights and a 16-bit cache let batch composition move them by rounding).
 
 Order (vLLM's): min_tokens and grammar masking, repetition/frequency/presence penalties,
 then argmax for greedy rows, or temperature -> top-k -> top-p -> min-p -> race.
