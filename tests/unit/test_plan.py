@@ -242,6 +242,17 @@ def test_scenario_20_agents() -> None:
     assert "--kv-cache-dtype int8" in text and "--dtype int4" in text and "--context" in text
 
 
+def test_the_tandem_command_holds_the_planned_dtypes() -> None:
+    """What was planned in other float dtypes than tandem's defaults is in its command."""
+    spec, cpu = load_model("llama-3.2-1b"), DEVICES["cpu-ddr5"]
+    assert "--dtype bfloat16" in cap.plan(spec, cpu, dtype="bf16").flags["tandem"]
+    assert "--kv-cache-dtype fp32" in cap.plan(spec, cpu, kv_cache_dtype="fp32").flags["tandem"]
+    default = " ".join(cap.plan(spec, cpu).flags["tandem"])
+    assert "--dtype" not in default and "--kv-cache-dtype" not in default
+    gpu = " ".join(cap.plan(spec, DEVICES["h100-sxm"], dtype="bf16").flags["tandem"])
+    assert "--dtype" not in gpu  # bf16 is the GPU engine's own
+
+
 def test_a_reserve_of_all_memory_is_an_error() -> None:
     with pytest.raises(ValueError, match="--reserve .* leaves nothing"):
         cap.plan(load_model("llama-3.1-8b"), DEVICES["rtx4090"], reserve_bytes=1e12)

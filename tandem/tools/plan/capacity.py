@@ -19,6 +19,7 @@ from tandem.tools.plan.arithmetic import (
     DEFAULT_GPU_UTILIZATION,
     INT4_GROUP,
     KV8_DTYPES,
+    PLANNER_DTYPES,
     READABLE_TOK_S,
     activation_bytes,
     cache_blocks,
@@ -438,6 +439,17 @@ def _flags(p: Plan) -> None:
         tandem.append("--kv-cache-dtype int8")
     if quant:
         tandem.append(f"--quantization {p.dtype}")
+    # Float weights and cache as planned, where tandem's defaults would hold others.
+    float_flag = {v: k for k, v in PLANNER_DTYPES.items()}  # bf16 -> bfloat16, ...
+    if p.dtype in float_flag:
+        if p.model.default_dtype == "file":  # a GGUF's blocks held as floats
+            tandem.append("--quantization none")
+        if p.dtype != engine_compute_dtype(p.device.kind):
+            tandem.append(f"--dtype {float_flag[p.dtype]}")
+    auto_kv = resolve_kv_dtype("auto", p.dtype, p.device.kind)
+    hd = p.model.head_dim
+    if not kv8 and kv_element_bytes(p.kv_cache_dtype, hd) != kv_element_bytes(auto_kv, hd):
+        tandem.append(f"--kv-cache-dtype {p.kv_cache_dtype}")
     vllm = [
         f"--max-num-seqs {n}", f"--max-model-len {c}",
         f"--max-num-batched-tokens {p.max_num_batched_tokens}",
