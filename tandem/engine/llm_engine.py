@@ -124,7 +124,7 @@ class LLMEngine:
         c = self.config
         num_blocks = budget // block_bytes
         if num_blocks < 1:
-            flag = "--kv-cache-memory" if self.config.kv_cache_memory is not None or \
+            flag = "--kv-cache-memory" if c.kv_cache_memory is not None or \
                 self.device.type == "cpu" else "--gpu-memory-utilization"
             raise ValueError(
                 f"the KV cache budget ({format_bytes(budget)}) holds no block of "

@@ -57,6 +57,14 @@ GRAMMAR_CACHE_SIZE = 256
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+# Where a JSON schema holds subschemas: under each key of a mapping, in a list,
+# or as the value itself (``items`` may be either of the last two).
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SCHEMA_VALUES = ("items", "additionalProperties", "unevaluatedProperties", "not", "if",
+                  "then", "else", "contains", "propertyNames", "additionalItems")
+
+
 def closed_objects(schema: Any, in_all_of: bool = False) -> Any:
     """``schema`` with ``"additionalProperties": false`` on each object that lists
     its properties and says nothing of others, as vLLM's default backend
@@ -64,13 +72,18 @@ def closed_objects(schema: Any, in_all_of: bool = False) -> Any:
     JSON Schema itself lets any other key in, and a sampled model adds them
     (a pydantic model's schema, which Ollama's docs pass as ``format``, never
     says). The parts of an ``allOf`` stay open: closed each to its own
-    properties, no object could satisfy two of them."""
-    if isinstance(schema, list):
-        return [closed_objects(v, in_all_of) for v in schema]
+    properties, no object could satisfy two of them. Only subschemas are
+    visited: a ``const``, ``enum`` or ``default`` value is data, kept as given."""
     if not isinstance(schema, dict):
         return schema
-    out = {k: closed_objects(v, k == "allOf" and isinstance(v, list) and len(v) > 1)
-           for k, v in schema.items()}
+    out = dict(schema)
+    for k, v in schema.items():
+        if k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: closed_objects(sub) for name, sub in v.items()}
+        elif k in _SCHEMA_LISTS and isinstance(v, list):
+            out[k] = [closed_objects(sub, k == "allOf" and len(v) > 1) for sub in v]
+        elif k in _SCHEMA_VALUES:
+            out[k] = closed_objects(v)
     if (not in_all_of and isinstance(schema.get("properties"), dict)
             and "additionalProperties" not in schema and "patternProperties" not in schema):
         out["additionalProperties"] = False

@@ -193,3 +193,11 @@ def test_closed_objects_closes_what_lists_its_properties():
     assert only["additionalProperties"] is False
     assert only["properties"]["r"]["additionalProperties"] is False
     assert schema["properties"]["a"] == {"type": "object", "properties": {}}  # not modified
+    # Data is not schema: a const, an enum's values and a property named "properties".
+    data = {"type": "object", "properties": {
+        "c": {"const": {"properties": {"x": 1}}}, "e": {"enum": [{"properties": {}}]},
+        "properties": {"type": "string"}}}
+    got = closed_objects(data)
+    assert got["properties"]["c"] == data["properties"]["c"]
+    assert got["properties"]["e"] == data["properties"]["e"]
+    assert set(got["properties"]) == {"c", "e", "properties"}

@@ -323,8 +323,8 @@ def _rule_queue(m: Measurements) -> Finding | None:
             values[f"{p.name}_queue_s"] = p.server_queue_s
     if not parts:
         return None
-    running = max((s.running or 0) for s in (m.metrics_before, m.metrics_peak) if s) \
-        if (m.metrics_before or m.metrics_peak) else None
+    samples = [s for s in (m.metrics_before, m.metrics_peak) if s]
+    running = max((s.running or 0) for s in samples) if samples else None
     if m.slots is not None and running is not None and running < m.slots:
         # Waiting with slots free: what requests wait for is the per-step prompt budget.
         values["peak_running"] = running

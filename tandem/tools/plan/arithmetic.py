@@ -59,6 +59,8 @@ KV8_GROUP = 32
 KV8_DTYPES = ("int8", "fp8", "q8_0")
 # The engine's float dtype names (tandem.config's --dtype) in the planner's.
 PLANNER_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# ... and the planner's float dtypes as the engine's --dtype names them.
+ENGINE_DTYPES = {v: k for k, v in PLANNER_DTYPES.items()}
 BLOCK_SIZE = EngineConfig.block_size
 DEFAULT_GPU_UTILIZATION = EngineConfig.gpu_memory_utilization
 DEFAULT_CPU_RESERVE = 2 * GiB

@@ -17,9 +17,9 @@ from tandem.tools.plan.arithmetic import (
     COMPUTE_EFFICIENCY,
     DEFAULT_CPU_RESERVE,
     DEFAULT_GPU_UTILIZATION,
+    ENGINE_DTYPES,
     INT4_GROUP,
     KV8_DTYPES,
-    PLANNER_DTYPES,
     READABLE_TOK_S,
     activation_bytes,
     cache_blocks,
@@ -440,12 +440,11 @@ def _flags(p: Plan) -> None:
     if quant:
         tandem.append(f"--quantization {p.dtype}")
     # Float weights and cache as planned, where tandem's defaults would hold others.
-    float_flag = {v: k for k, v in PLANNER_DTYPES.items()}  # bf16 -> bfloat16, ...
-    if p.dtype in float_flag:
+    if p.dtype in ENGINE_DTYPES:
         if p.model.default_dtype == "file":  # a GGUF's blocks held as floats
             tandem.append("--quantization none")
         if p.dtype != engine_compute_dtype(p.device.kind):
-            tandem.append(f"--dtype {float_flag[p.dtype]}")
+            tandem.append(f"--dtype {ENGINE_DTYPES[p.dtype]}")
     auto_kv = resolve_kv_dtype("auto", p.dtype, p.device.kind)
     hd = p.model.head_dim
     if not kv8 and kv_element_bytes(p.kv_cache_dtype, hd) != kv_element_bytes(auto_kv, hd):

@@ -30,8 +30,6 @@ from tandem.tools.plan.presets import PRESETS, ModelSpec, load_model
 
 TOLERANCE = 0.05  # planned vs allocated cache tokens may differ by this fraction
 
-_ENGINE_DTYPES = {"auto": "auto", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
 
 @dataclass
 class EngineCheck:
@@ -119,8 +117,8 @@ def engine_settings(dtype: str, kv_cache_dtype: str) -> tuple[str, str, str]:
         engine_dtype, quant = "auto", "auto"
     elif dtype in ("int8", "int4"):
         engine_dtype, quant = "auto", dtype
-    elif dtype in _ENGINE_DTYPES:
-        engine_dtype, quant = _ENGINE_DTYPES[dtype], "none"
+    elif dtype in ar.ENGINE_DTYPES:
+        engine_dtype, quant = ar.ENGINE_DTYPES[dtype], "none"
     else:
         raise ValueError(f"--dtype {dtype!r}: choose from {', '.join(ar.WEIGHT_DTYPES)}")
     kv = kv_cache_dtype.lower()
