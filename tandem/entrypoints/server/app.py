@@ -37,6 +37,7 @@ from tandem.entrypoints.server.dashboard import DashboardConfig
 from tandem.entrypoints.server.errors import APIError
 from tandem.entrypoints.server.metrics import ServerMetrics
 from tandem.entrypoints.server.model_card import ModelCard
+from tandem.entrypoints.server.reasoning import reasoning_enabled
 from tandem.entrypoints.server.state import ServerState
 from tandem.entrypoints.server.stats import StatsLogger
 
@@ -66,6 +67,8 @@ class ServerConfig:
     generation_config, override_generation_config: where sampling defaults
         come from (see tandem.entrypoints.server.defaults; the override as checked by
         defaults.parse_override).
+    reasoning_parser: whether think blocks leave the answer for the APIs'
+        reasoning fields (see tandem.entrypoints.server.reasoning).
     """
 
     served_model_names: list[str] | None = None
@@ -76,6 +79,7 @@ class ServerConfig:
     stats_interval_s: float = 10.0
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | None = None
+    reasoning_parser: str = "auto"  # see tandem.entrypoints.server.reasoning.MODES
     dashboard: DashboardConfig = field(default_factory=DashboardConfig)
 
 
@@ -158,6 +162,8 @@ def _server_state(engine: EngineClient, config: ServerConfig) -> ServerState:
         defaults=defaults.resolve(config.generation_config, config.override_generation_config,
                                   Path(info.model_dir), Path(card.root) if card.format == "gguf"
                                   else None),
+        reasoning=reasoning_enabled(config.reasoning_parser,
+                                    engine.tokenizer.chat_template if engine.tokenizer else None),
     )
 
 
@@ -325,7 +331,7 @@ def serve(args, load: Loader) -> int:
         allowed_origins=args.allowed_origins, max_queue=args.max_queue,
         stats_interval_s=args.stats_interval,
         generation_config=generation_config, override_generation_config=override,
-        dashboard=dashboard_config,
+        reasoning_parser=args.reasoning_parser, dashboard=dashboard_config,
     ), host=args.host, port=args.port, access_log=args.access_log)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from tandem.entrypoints.server.reasoning import MODES as REASONING_MODES
+
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
@@ -40,6 +42,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "with a bare config.json)")
     g.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="do not log one line per HTTP request")
+    g.add_argument("--reasoning-parser", default="auto",
+                   choices=REASONING_MODES,
+                   help="move <think> ... </think> out of the answer into the APIs' reasoning "
+                        "fields (reasoning_content, Ollama's thinking): auto = when the chat "
+                        "template writes think blocks (Qwen3, QwQ, DeepSeek-R1); none = "
+                        "leave it in the text; qwen3 / deepseek_r1 (vLLM's names) = always "
+                        "(default auto)")
     g.add_argument("--generation-config", default="auto", metavar="{auto,vllm,DIR}",
                    help="sampling defaults for fields a request leaves out: auto = the "
                         "model's generation_config.json or GGUF sampling metadata, else "

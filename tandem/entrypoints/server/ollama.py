@@ -48,6 +48,7 @@ from tandem.entrypoints.server.protocol import (
     OllamaPullRequest,
     OllamaShowRequest,
 )
+from tandem.entrypoints.server.reasoning import ReasoningParser
 from tandem.entrypoints.server.state import ServerState
 from tandem.entrypoints.server.streaming import ClosingStreamingResponse, unless_disconnected
 from tandem.entrypoints.server.structured import (
@@ -163,7 +164,7 @@ async def show(request: Request) -> dict:
             f"{arch}.attention.head_count": cfg.num_attention_heads,
             f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
         },
-        "capabilities": ["completion", "tools"],
+        "capabilities": ["completion", "tools", *(["thinking"] if state.reasoning else [])],
         "modified_at": datetime.fromtimestamp(c.created, timezone.utc).isoformat(),
     }
 
@@ -254,7 +255,10 @@ def _check_common(state: ServerState, req: OllamaGenerateRequest | OllamaChatReq
         raise bad_request("model is required", "model")
     state.check_model(req.model, ollama=True)
     constraint = from_ollama_format(req.format)
-    if req.think not in (None, False):
+    if isinstance(req.think, str):
+        raise bad_request(f'think levels ("{req.think}") are not supported; send true or '
+                          'false', "think")
+    if req.think and not state.reasoning:
         raise bad_request(f'"{req.model}" does not support thinking')
     logprobs.check_top(req.top_logprobs, "top_logprobs")
     return req.model, constraint
@@ -307,7 +311,9 @@ async def _run(request: Request, state: ServerState,
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = _params(state, req.options, len(ids), k, constraint)
     gen = Generation(state, state.new_id("ollama-"), [ids], [params])
-    view = _View(state, model, gen, t0, chat, plan.parser() if plan else None)
+    # think=false: the text as the model wrote it (a template that can, was told not to think).
+    reasoner = None if req.think is False else state.reasoning_parser(ids, constraint is not None)
+    view = _View(state, model, gen, t0, chat, plan.parser() if plan else None, reasoner)
     await start(request, gen, constraint)
     if req.stream:
         return ClosingStreamingResponse(view.lines(), gen.close,
@@ -321,7 +327,8 @@ async def _run(request: Request, state: ServerState,
 
 class _View:
     def __init__(self, state: ServerState, model: str, gen: Generation, t0: float, chat: bool,
-                 parser: ToolCallParser | None = None) -> None:
+                 parser: ToolCallParser | None = None,
+                 reasoner: ReasoningParser | None = None) -> None:
         self.state = state
         self.model = model
         self.gen = gen
@@ -329,18 +336,24 @@ class _View:
         self.chat = chat
         self._text = logprobs.token_text(state.engine.tokenizer)
         self.parser = parser
+        self.reasoner = reasoner
         self._sent_calls = 0  # tool calls already streamed
 
-    def _object(self, text: str, calls: list[ToolCall] | None = None) -> dict:
+    def _object(self, text: str, calls: list[ToolCall] | None = None, thinking: str = ""
+                ) -> dict:
         obj: dict = {"model": self.model, "created_at": _now()}
         if self.chat:
             obj["message"] = {"role": "assistant", "content": text}
+            if thinking:  # omitted when empty, as Ollama's omitempty
+                obj["message"]["thinking"] = thinking
             if calls:
                 obj["message"]["tool_calls"] = [
                     {"function": {"name": c.name, "arguments": json.loads(c.arguments)}}
                     for c in calls]
         else:
             obj["response"] = text
+            if thinking:
+                obj["thinking"] = thinking
         obj["done"] = False
         return obj
 
@@ -369,13 +382,15 @@ class _View:
 
     def whole(self, outs: list[RequestOutput]) -> dict:
         final = outs[-1]
-        text, calls = final.outputs[0].text, None
+        text, calls, thinking = final.outputs[0].text, None, ""
+        if self.reasoner is not None:
+            thinking, text = self.reasoner.feed_outputs(outs)
         if self.parser is not None:
             self.parser.feed(text)
             self.parser.finish()
             content, calls = self.parser.result()  # the stream's content (see openai.py)
             text = content or ""
-        obj = self._finish(self._object(text, calls), final)
+        obj = self._finish(self._object(text, calls, thinking), final)
         if self.gen.choices[0].params.logprobs is not None:
             obj["logprobs"] = self._logprobs(outs)
         return obj
@@ -393,15 +408,20 @@ class _View:
         except Exception as e:  # after the 200 went out: an error object ends the stream
             yield _line(to_api_error(e).ollama_body())
 
-    def _stream_step(self, out: RequestOutput) -> tuple[str, list[ToolCall]]:
-        """This token's content, and the tool calls it completed (sent whole, as Ollama does)."""
+    def _stream_step(self, out: RequestOutput) -> tuple[str, list[ToolCall], str]:
+        """This token's content, the tool calls it completed (sent whole, as Ollama does)
+        and its thinking."""
+        text, thinking = out.delta_text, ""
+        if self.reasoner is not None:
+            thinking, text = self.reasoner.feed_output(out)
         if self.parser is None:
-            return out.delta_text, []
+            return text, [], thinking
         p = self.parser
-        deltas = p.feed(out.delta_text) + (p.finish() if out.finished else [])
+        deltas = p.feed(text) + (p.finish() if out.finished else [])
         done = list(itertools.takewhile(lambda c: c.complete, p.calls[self._sent_calls:]))
         self._sent_calls += len(done)
-        return "".join(d.content for d in deltas), [c for c in done if is_json_object(c.arguments)]
+        calls = [c for c in done if is_json_object(c.arguments)]
+        return "".join(d.content for d in deltas), calls, thinking
 
 
 def _ns(seconds: float) -> int:

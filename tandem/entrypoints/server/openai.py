@@ -37,6 +37,7 @@ from tandem.entrypoints.server.protocol import (
     TextPart,
     TokenizeRequest,
 )
+from tandem.entrypoints.server.reasoning import ReasoningParser
 from tandem.entrypoints.server.state import ServerState
 from tandem.entrypoints.server.streaming import ClosingStreamingResponse, unless_disconnected
 from tandem.entrypoints.server.structured import (
@@ -207,7 +208,7 @@ async def chat_completions(request: Request):
     per_choice = fan_out(params)
     gen = Generation(state, state.new_id("chatcmpl-"), [ids] * len(per_choice), per_choice)
     view = _View(state, req.model or state.card.name, gen, len(per_choice), req.return_token_ids,
-                 plan)
+                 plan, [state.reasoning_parser(ids, constraint is not None) for _ in per_choice])
     await start(request, gen, constraint)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -341,7 +342,8 @@ class _View:
     """Renders one Generation's outputs as OpenAI JSON (whole responses or chunks)."""
 
     def __init__(self, state: ServerState, model: str, gen: Generation, n: int,
-                 return_token_ids: bool, plan: ToolPlan | None = None) -> None:
+                 return_token_ids: bool, plan: ToolPlan | None = None,
+                 reasoners: list[ReasoningParser | None] | None = None) -> None:
         self.state = state
         self._token_text = logprobs.token_text(state.engine.tokenizer)
         self.model = model
@@ -351,6 +353,7 @@ class _View:
         self.created = int(time.time())
         self._offsets = [0] * len(gen.choices)
         self._parsers = [plan.parser() if plan else None for _ in gen.choices]
+        self._reasoners = reasoners or [None] * len(gen.choices)
 
     # --------------------------------------------------------- shared parts
     def _finals(self) -> list[RequestOutput | None]:
@@ -365,9 +368,13 @@ class _View:
             if i % self.n == 0:  # a prompt shared by n choices is counted once
                 prompt += len(c.prompt_ids)
                 cached += m.num_cached_tokens if m else 0
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion,
+                 "total_tokens": prompt + completion,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        if any(self._reasoners):
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(
+                r.reasoning_tokens for r in self._reasoners if r is not None)}
+        return usage
 
     def tandem(self) -> dict | None:
         """The phase split: the first choice's at the top level, each choice's in
@@ -469,11 +476,18 @@ class _View:
         for c, c_outs in zip(self.gen.choices, outs):
             final = c_outs[-1]
             k = c.params.logprobs
-            message: dict = {"role": "assistant", "content": final.outputs[0].text}
+            text, reasoning = final.outputs[0].text, None
+            reasoner = self._reasoners[c.index]
+            if reasoner is not None:
+                reasoning, text = reasoner.feed_outputs(c_outs)
+            message: dict = {"role": "assistant", "content": text}
+            if reasoning:
+                message["content"] = text or None
+                message.update(reasoning_fields(reasoning))
             finish_reason = final.finish_reason
             parser = self._parsers[c.index]
             if parser is not None:
-                parser.feed(final.outputs[0].text)
+                parser.feed(text)
                 parser.finish()
                 # The parser's content, as the stream sent it: a forced call that
                 # max_tokens cut before its name is no content either.
@@ -502,23 +516,37 @@ class _View:
         def body(index: int, out: RequestOutput, first: bool) -> dict:
             # The role travels with the first token, so client-side TTFT is honest.
             delta = {"role": "assistant"} if first else {}
-            delta["content"] = out.delta_text
+            text, reasoning = out.delta_text, ""
+            reasoner = self._reasoners[index]
+            if reasoner is not None:
+                reasoning, text = reasoner.feed_output(out)
+            delta["content"] = text
+            if reasoning:
+                delta["content"] = text or None
+                delta.update(reasoning_fields(reasoning))
             k = self.gen.choices[index].params.logprobs
             body = {"delta": delta,
                     "logprobs": None if k is None else self._chat_logprobs([out], k)}
             parser = self._parsers[index]
             if parser is not None:
-                deltas = parser.feed(out.delta_text) + (parser.finish() if out.finished else [])
+                deltas = parser.feed(text) + (parser.finish() if out.finished else [])
                 delta["content"] = "".join(d.content for d in deltas)
                 calls = tool_call_deltas(deltas)
                 if calls:
                     delta["tool_calls"] = calls
+                if calls or reasoning:
                     delta["content"] = delta["content"] or None
                 if out.finished and parser.calls:
                     body["finish_reason"] = tool_finish_reason(out.finish_reason)
             return body
 
         return self._chunks("chat.completion.chunk", include_usage, body)
+
+
+def reasoning_fields(text: str) -> dict[str, str]:
+    """A message's or delta's reasoning under both of vLLM's names: ``reasoning_content``
+    (vLLM before 0.11, DeepSeek's API, most clients) and ``reasoning`` (vLLM since)."""
+    return {"reasoning_content": text, "reasoning": text}
 
 
 def tool_finish_reason(reason: str | None) -> str | None:

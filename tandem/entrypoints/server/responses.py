@@ -1,13 +1,16 @@
 """OpenAI's Responses API, stateless (as Ollama serves it): POST /v1/responses.
 
 Nothing is stored: every turn travels in ``input`` (messages, the model's
-``function_call`` items and the caller's ``function_call_output`` items), so
-``previous_response_id`` is refused and ``store`` is only ever false. The
-request becomes a chat (instructions as the system message), runs through the
-same tools, grammar and parser as /v1/chat/completions, and comes back as
-``output`` items: a ``message`` with ``output_text`` and a ``function_call``
-per tool call. Streaming sends the Responses events, each with its
-``sequence_number``, one text or argument delta per generated token.
+``function_call`` items and the caller's ``function_call_output`` items;
+``reasoning`` items are dropped, as chat templates drop an earlier turn's
+thinking), so ``previous_response_id`` is refused and ``store`` is only ever
+false. The request becomes a chat (instructions as the system message), runs
+through the same tools, grammar and parsers as /v1/chat/completions, and comes
+back as ``output`` items: a ``reasoning`` item with the model's thinking (see
+tandem.entrypoints.server.reasoning), a ``message`` with ``output_text`` and a
+``function_call`` per tool call. Streaming sends the Responses events, each
+with its ``sequence_number``, one text, reasoning or argument delta per
+generated token.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from tandem.entrypoints.server.protocol import (
     ResponsesMessageItem,
     ResponsesRequest,
 )
+from tandem.entrypoints.server.reasoning import ReasoningParser
 from tandem.entrypoints.server.state import ServerState
 from tandem.entrypoints.server.streaming import ClosingStreamingResponse, unless_disconnected
 from tandem.entrypoints.server.structured import (
@@ -101,7 +105,8 @@ async def responses(request: Request):
         structured_outputs=constraint.params if constraint else None)
     gen = Generation(state, state.new_id("resp_"), [ids], [params])
     view = _View(req, state.card.name if req.model is None else req.model, gen, plan,
-                 logprobs.token_text(state.engine.tokenizer))
+                 logprobs.token_text(state.engine.tokenizer),
+                 state.reasoning_parser(ids, constraint is not None))
     await start(request, gen, constraint)
     if req.stream:
         return ClosingStreamingResponse(view.events(), gen.close,
@@ -139,6 +144,8 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         raise bad_request("input must not be empty", "input")
     for i, raw in enumerate(req.input):
         kind = raw.get("type", "message")
+        if kind == "reasoning":  # an earlier turn's thinking: chat templates drop it too
+            continue
         model = _ITEMS.get(kind)
         if model is None:
             raise bad_request(f"input[{i}].type {kind!r} is not supported; send "
@@ -164,6 +171,8 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         else:
             assert isinstance(item, ResponsesFunctionCallOutputItem)
             out.append({"role": "tool", "content": item.output, "tool_call_id": item.call_id})
+    if len(out) == bool(req.instructions):
+        raise bad_request("input holds only reasoning items; send a message", "input")
     return out
 
 
@@ -171,7 +180,8 @@ class _View:
     """One generation as a Response object, whole or as its stream of events."""
 
     def __init__(self, req: ResponsesRequest, model: str, gen: Generation,
-                 plan: ToolPlan | None, token_text: Callable[[int], str]) -> None:
+                 plan: ToolPlan | None, token_text: Callable[[int], str],
+                 reasoner: ReasoningParser | None = None) -> None:
         self.req = req
         self.model = model
         self.gen = gen
@@ -180,10 +190,12 @@ class _View:
         self._logprobs: list[dict[str, Any]] = []  # tokens' not yet sent with text
         self.created = int(time.time())
         self.parser: ToolCallParser | None = plan.parser() if plan else None
+        self.reasoner = reasoner
         self.output: list[dict[str, Any]] = []
         self._seq = 0
         self._text: dict[str, Any] | None = None  # the message item being streamed
         self._call: dict[str, Any] | None = None  # the function_call item being streamed
+        self._thought: dict[str, Any] | None = None  # the reasoning item being streamed
 
     def response(self, status: str, final: RequestOutput | None = None) -> dict[str, Any]:
         r = self.req
@@ -213,7 +225,8 @@ class _View:
             body["usage"] = {
                 "input_tokens": prompt,
                 "input_tokens_details": {"cached_tokens": m.num_cached_tokens if m else 0},
-                "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": output, "output_tokens_details": {
+                    "reasoning_tokens": self.reasoner.reasoning_tokens if self.reasoner else 0},
                 "total_tokens": prompt + output}
         return body
 
@@ -228,14 +241,18 @@ class _View:
     def whole(self, outs: list[RequestOutput]) -> dict[str, Any]:
         final = outs[-1]
         text = final.outputs[0].text
+        status = self._status(final)
+        if self.reasoner is not None:
+            thought, text = self.reasoner.feed_outputs(outs)
+            if thought:
+                self.output.append(_reasoning(_id("rs"), thought, status))
         if self.parser is None:
             content, calls = text, []
         else:
             self.parser.feed(text)
             self.parser.finish()
             content, calls = self.parser.result()
-        status = self._status(final)
-        if content or not calls:
+        if content or not (calls or self.output):  # a message, unless calls or thought hold all
             self.output.append(_message(_id("msg"), content or "", status))
             self.output[-1]["content"][0]["logprobs"] = self._token_logprobs(outs)
         self.output += [_function_call(_id("fc"), c.id, c.name, c.arguments, status)
@@ -255,10 +272,15 @@ class _View:
         try:
             async for _, out in self.gen:
                 self._logprobs += self._token_logprobs([out])
+                text = out.delta_text
+                if self.reasoner is not None:
+                    thought, text = self.reasoner.feed_output(out)
+                    for event in self._think(thought):
+                        yield event
                 if self.parser is None:
-                    deltas = [Delta(content=out.delta_text)] if out.delta_text else []
+                    deltas = [Delta(content=text)] if text else []
                 else:
-                    deltas = self.parser.feed(out.delta_text)
+                    deltas = self.parser.feed(text)
                     if out.finished:
                         deltas += self.parser.finish()
                 for d in deltas:
@@ -274,8 +296,37 @@ class _View:
             yield self._event("error", code=str(err.code or err.status), message=err.message,
                               param=err.param)
 
-    def _apply(self, d: Delta) -> list[bytes]:
+    def _think(self, text: str) -> list[bytes]:
+        """Reasoning text: the reasoning item's next delta (opening the item first)."""
+        if not text:
+            return []
         events: list[bytes] = []
+        if self._thought is None:
+            self._thought = _reasoning(_id("rs"), "", "in_progress")
+            self.output.append(self._thought)
+            events.append(self._event("response.output_item.added",
+                                      output_index=len(self.output) - 1, item=self._thought))
+        self._thought["content"][0]["text"] += text
+        events.append(self._event("response.reasoning_text.delta", item_id=self._thought["id"],
+                                  output_index=self.output.index(self._thought),
+                                  content_index=0, delta=text))
+        return events
+
+    def _close_thought(self, status: str) -> list[bytes]:
+        item, self._thought = self._thought, None
+        if item is None:
+            return []
+        index = self.output.index(item)
+        item["status"] = status
+        return [
+            self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                        content_index=0, text=item["content"][0]["text"]),
+            self._event("response.output_item.done", output_index=index, item=item),
+        ]
+
+    def _apply(self, d: Delta) -> list[bytes]:
+        events: list[bytes] = self._close_thought("completed") if d.content or d.call_id \
+            else []
         if d.content:
             if self._call is not None:
                 events += self._close_call("completed")
@@ -317,7 +368,7 @@ class _View:
                            delta=text, logprobs=sent)
 
     def _close_items(self, status: str) -> list[bytes]:
-        return self._close_text(status) + self._close_call(status)
+        return self._close_thought(status) + self._close_text(status) + self._close_call(status)
 
     def _close_text(self, status: str) -> list[bytes]:
         if self._text is None:
@@ -356,6 +407,11 @@ def _output_text(text: str) -> dict[str, Any]:
 def _message(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [_output_text(text)]}
+
+
+def _reasoning(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def _function_call(item_id: str, call_id: str, name: str, arguments: str, status: str

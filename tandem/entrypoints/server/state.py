@@ -20,12 +20,15 @@ from tandem.entrypoints.server.errors import APIError
 from tandem.entrypoints.server.metrics import ServerMetrics
 from tandem.entrypoints.server.model_card import ModelCard
 from tandem.entrypoints.server.protocol import B, parse_body, read_json
+from tandem.entrypoints.server.reasoning import ReasoningParser
 from tandem.tokenizer import Tokenizer, check_template_kwargs
 
 T = TypeVar("T")
 MAX_N = 128  # OpenAI's bound on n
 # Tokenizer threads: a long prompt is tokenized beside short ones, not before them.
 TOKENIZER_THREADS = 2
+# Prompt tokens decoded to see whether the template left a think block open.
+PROMPT_TAIL_TOKENS = 16
 
 
 @dataclass
@@ -37,6 +40,7 @@ class ServerState:
     api_key: str | None = None
     max_body_bytes: int = 16 * 2**20
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    reasoning: bool = False  # think blocks leave the answer (--reasoning-parser)
     _ids: itertools.count = field(default_factory=itertools.count)
     _salt: str = field(default_factory=lambda: secrets.token_hex(4))
     _pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
@@ -53,6 +57,15 @@ class ServerState:
     @property
     def has_tokenizer(self) -> bool:
         return self.engine.tokenizer is not None
+
+    def reasoning_parser(self, prompt_ids: list[int], constrained: bool
+                         ) -> ReasoningParser | None:
+        """A chat output's reasoning parser (None when this server parses none), set
+        by where the prompt ends (see tandem.entrypoints.server.reasoning)."""
+        if not self.reasoning or not self.has_tokenizer:
+            return None
+        tail = self.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        return ReasoningParser.for_prompt(tail, constrained)
 
     def new_id(self, prefix: str) -> str:
         """Unique within this process (the engine requires it), short, readable in logs;

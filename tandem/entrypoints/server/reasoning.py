@@ -1,0 +1,166 @@
+"""Reasoning ("thinking") out of generated text: ``<think> ... </think>``, for all three APIs.
+
+Qwen3, QwQ and DeepSeek-R1 (and the models distilled from it) think inside
+``<think> ... </think>`` before they answer. With a reasoning parser on, that
+text leaves the answer and travels in its own field: ``reasoning_content``
+and ``reasoning`` (vLLM's older and newer names) in chat completions, a
+``reasoning`` output item in /v1/responses, ``thinking`` in Ollama's API.
+
+Where the output starts is read off the prompt, so one parser serves every
+template: a generation prompt that ends with ``<think>`` (DeepSeek-R1's
+template, and Qwen3's newer ones, open the block themselves) means the
+output starts inside the block and only ``</think>`` will come; otherwise a
+model that thinks opens the block as its first text (Qwen3's original
+template), and one that does not (``enable_thinking: false``, whose prompt
+closes an empty block) writes only content. A grammar-constrained output
+(``response_format``, a forced tool call) starts outside the block: its
+grammar applies from the first token, so the model answers without thinking.
+
+Whitespace at the block's edges is dropped (the newlines after ``<think>``,
+before and after ``</think>``), as Ollama does. An output cut off inside the
+block (max_tokens) is all reasoning.
+
+One incremental parser serves streaming and whole responses alike (a whole
+response is the stream fed at once), so both always agree; a tag split across
+tokens is held back until it is known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from tandem.outputs import RequestOutput
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+# --reasoning-parser: auto (on when the chat template writes think blocks), none,
+# or vLLM's parser names, which this parser covers both of.
+MODES = ("auto", "none", "qwen3", "deepseek_r1")
+
+
+def reasoning_enabled(mode: str, chat_template: str | None) -> bool:
+    """Whether a server parses reasoning: as ``--reasoning-parser`` says, or under
+    ``auto`` when the chat template knows both tags."""
+    if mode not in MODES:
+        raise ValueError(f"--reasoning-parser must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "auto":
+        text = chat_template or ""
+        return THINK_OPEN in text and THINK_CLOSE in text
+    return mode != "none"
+
+
+def prompt_opens_block(prompt_tail: str) -> bool:
+    """The prompt's last text leaves a think block open (the template opened it)."""
+    return prompt_tail.rstrip().endswith(THINK_OPEN)
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest end of text that begins tag (a tag split across tokens)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+@dataclass
+class ReasoningParser:
+    """Splits generated text into reasoning and content, delta by delta.
+
+    ``feed`` and ``finish`` return this step's (reasoning, content) text;
+    ``reasoning`` and ``content`` hold the whole of each so far, and
+    ``reasoning_tokens`` counts the tokens fed while the block was open (the
+    one that closes it included).
+    """
+
+    state: Literal["start", "reasoning", "content"] = "start"
+    reasoning: str = ""
+    content: str = ""
+    reasoning_tokens: int = 0
+    _held: str = ""  # a tag's first characters, or whitespace that may end the block
+    _trim: bool = False  # drop the whitespace that opens the block, or the answer after it
+
+    @classmethod
+    def for_prompt(cls, prompt_tail: str, constrained: bool) -> ReasoningParser:
+        """The parser for a prompt ending in ``prompt_tail``; a constrained output
+        (its grammar applies from the first token) never starts inside a block."""
+        if prompt_opens_block(prompt_tail) and not constrained:
+            return cls(state="reasoning", _trim=True)
+        return cls()
+
+    def feed(self, text: str, tokens: int = 1) -> tuple[str, str]:
+        """The next delta (``tokens`` tokens' text) -> its (reasoning, content)."""
+        counted = self.state == "reasoning"
+        buf, self._held = self._held + text, ""
+        reasoning = content = ""
+        while buf:
+            if self.state == "start":
+                stripped = buf.lstrip()
+                if stripped.startswith(THINK_OPEN):
+                    self.state, self._trim = "reasoning", True
+                    buf = stripped[len(THINK_OPEN):]
+                    counted = True
+                elif THINK_OPEN.startswith(stripped):  # "", or a tag's first characters
+                    self._held = buf
+                    buf = ""
+                else:
+                    self.state = "content"
+            elif self.state == "reasoning":
+                if self._trim:  # the block's start: its whitespace, and a second
+                    buf = buf.lstrip()  # <think> after a prompt that opened it, go
+                    if buf.startswith(THINK_OPEN):
+                        buf = buf[len(THINK_OPEN):]
+                        continue
+                    if THINK_OPEN.startswith(buf):  # "", or maybe that tag
+                        self._held = buf
+                        break
+                    self._trim = False
+                end = buf.find(THINK_CLOSE)
+                if end >= 0:
+                    reasoning += buf[:end].rstrip()
+                    self.state, self._trim = "content", True
+                    buf = buf[end + len(THINK_CLOSE):]
+                    continue
+                keep = len(buf) - _partial_tag(buf, THINK_CLOSE)
+                sure = buf[:keep].rstrip()  # whitespace that may end the block waits too
+                reasoning += sure
+                self._held = buf[len(sure):]
+                buf = ""
+            else:
+                if self._trim:
+                    buf = buf.lstrip()
+                    self._trim = not buf
+                content += buf
+                buf = ""
+        if counted:
+            self.reasoning_tokens += tokens
+        return self._add(reasoning, content)
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back when the output ends: a block cut off is reasoning, the
+        start of a tag that never came is content."""
+        held, self._held = self._held, ""
+        if self.state == "reasoning":
+            return self._add(held.rstrip(), "")
+        return self._add("", held if self.state == "start" else "")
+
+    def feed_output(self, out: RequestOutput) -> tuple[str, str]:
+        """One engine output's (reasoning, content); the last one's includes what was held."""
+        reasoning, content = self.feed(out.delta_text, len(out.new_token_ids))
+        if out.finished:
+            more, last = self.finish()
+            reasoning, content = reasoning + more, content + last
+        return reasoning, content
+
+    def feed_outputs(self, outs: list[RequestOutput]) -> tuple[str, str]:
+        """A whole response, fed output by output as its stream is (so the token count
+        is the stream's): the whole (reasoning, content)."""
+        for out in outs:
+            self.feed_output(out)
+        return self.reasoning, self.content
+
+    def _add(self, reasoning: str, content: str) -> tuple[str, str]:
+        self.reasoning += reasoning
+        self.content += content
+        return reasoning, content
