@@ -14,6 +14,10 @@ from typing import Any
 
 # vLLM's threshold: below it, temperature means greedy (argmax) decoding.
 _SAMPLING_EPS = 1e-5
+# A reasoning model's think block (Qwen3, QwQ, DeepSeek-R1): a grammar waits for its end.
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+REASONING_STARTS = ("inside", "may_open")
 
 
 def _is_number(value: object) -> bool:
@@ -32,6 +36,12 @@ class StructuredOutputsParams:
 
     Only the shape is checked here; whether a schema, regex or grammar compiles
     is the grammar backend's verdict, given when the request is added.
+
+    ``reasoning`` lets a reasoning model think first, as vLLM's reasoning
+    parsers do: None, the grammar applies from the first token; ``"inside"``,
+    the output starts inside a think block (the prompt opened it) and is free
+    until ``</think>``; ``"may_open"``, the first token may also be
+    ``<think>`` (then as ``"inside"``), else the grammar applies from it.
     """
 
     json: str | dict[str, Any] | None = None  # a JSON schema, as an object or its text
@@ -39,6 +49,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None  # any JSON object (OpenAI's json_object mode)
+    reasoning: str | None = None  # None, or one of REASONING_STARTS
 
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
@@ -65,6 +76,9 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
         if self.json_object not in (None, True, False):
             raise ValueError("structured_outputs.json_object must be a boolean.")
+        if self.reasoning is not None and self.reasoning not in REASONING_STARTS:
+            raise ValueError(f"structured_outputs.reasoning must be one of "
+                             f"{', '.join(REASONING_STARTS)} or None, got {self.reasoning!r}.")
 
 
 @dataclass

@@ -18,7 +18,8 @@ constrained request gets a ValueError naming the extra.
   canonical JSON) is compiled into a pristine matcher, kept in an LRU cache,
   and every request gets a ``deep_copy`` of it (~7 µs).
 * Per request a ``StructuredOutputRequest`` lives on the ``Request``. It has
-  consumed exactly the request's output tokens: preemption keeps the output
+  consumed exactly the request's output tokens (those after a think block, when
+  the request lets a reasoning model think first): preemption keeps the output
   and samples nothing until the recompute reaches its end, and a chunked
   prefill samples nothing until its last chunk, so neither needs a rollback.
 * Per step the runner fills the constrained rows' masks once the forward pass
@@ -35,14 +36,14 @@ import json
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from copy import copy
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tandem.kernels import custom_ops
-from tandem.sampling_params import StructuredOutputsParams
+from tandem.sampling_params import THINK_CLOSE, THINK_OPEN, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from tandem.core.request import Request
@@ -108,16 +109,40 @@ def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
 
 
 class StructuredOutputRequest:
-    """One sequence's grammar state: the matcher has consumed its output so far."""
+    """One sequence's grammar state: the matcher has consumed its output since the
+    grammar began, which is all of it unless a think block came first.
 
-    __slots__ = ("matcher",)
+    ``phase``: ``"grammar"`` (the matcher masks every token), ``"thinking"``
+    (inside a think block: no mask until the output shows ``</think>``) or
+    ``"may_open"`` (the first token: the grammar's, or ``<think>``, which
+    starts the block).
+    """
 
-    def __init__(self, matcher) -> None:
+    __slots__ = ("matcher", "phase", "_recent", "_decode", "_open_id")
+
+    def __init__(self, matcher, phase: str = "grammar",
+                 decode: Callable[[list[int]], str] | None = None,
+                 open_id: int | None = None) -> None:
         self.matcher = matcher  # llguidance.LLMatcher
+        self.phase = phase
+        self._recent: list[int] = []  # the last output tokens, while thinking
+        self._decode = decode
+        self._open_id = open_id
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; True when the grammar is complete (only an
         end-of-generation token could follow, or one was just taken)."""
+        if self.phase == "may_open":
+            self.phase = "thinking" if token_id == self._open_id else "grammar"
+            if self.phase == "thinking":
+                return False
+        if self.phase == "thinking":
+            # Each token holds at least one of the tag's characters: its length
+            # in tokens (and one for a tag that starts mid-token) is enough.
+            self._recent = [*self._recent[-len(THINK_CLOSE):], token_id]
+            if THINK_CLOSE in self._decode(self._recent):
+                self.phase = "grammar"
+            return False
         m = self.matcher
         if not m.consume_token(token_id):
             # The mask admits only tokens the matcher takes: this is a bug, not input.
@@ -150,6 +175,8 @@ class StructuredOutputManager:
         self._ll_json_tokenizer = None
         self._grammars: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._bitmask: torch.Tensor | None = None
+        self._open_id: int | None = None  # <think> as one token, if the vocabulary has it
+        self._open_known = False
 
     # ------------------------------------------------------------ compile
     def new_request(self, spec: StructuredOutputsParams) -> StructuredOutputRequest:
@@ -164,7 +191,25 @@ class StructuredOutputManager:
                     self._grammars.popitem(last=False)
             else:
                 self._grammars.move_to_end(key)
-            return StructuredOutputRequest(pristine.deep_copy())
+            return StructuredOutputRequest(pristine.deep_copy(), self._phase(spec),
+                                           self._decode, self._open_id)
+
+    def _phase(self, spec: StructuredOutputsParams) -> str:
+        """The first phase of a request (see StructuredOutputRequest). A first token
+        may open a think block only where <think> is one token: the mask admits it
+        beside the grammar's; otherwise the grammar applies from the first token."""
+        if spec.reasoning == "inside":
+            return "thinking"
+        if spec.reasoning == "may_open":
+            if not self._open_known:
+                ids = self.tokenizer.encode(THINK_OPEN, add_special_tokens=False)
+                self._open_id = ids[0] if len(ids) == 1 else None
+                self._open_known = True
+            return "grammar" if self._open_id is None else "may_open"
+        return "grammar"
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _compile(self, key: tuple[str, str]):
         llg = _import_llguidance()
@@ -210,7 +255,8 @@ class StructuredOutputManager:
         The bitmask is a view of a buffer the next call overwrites: it is meant
         for this step's sampler only.
         """
-        rows = [i for i, r in enumerate(reqs) if r.structured_output_request is not None]
+        rows = [i for i, r in enumerate(reqs) if r.structured_output_request is not None
+                and r.structured_output_request.phase != "thinking"]
         if not rows:
             return None
         n = len(rows)
@@ -224,8 +270,11 @@ class StructuredOutputManager:
         nbytes = words.shape[1] * 4
         base = words.data_ptr()
         for j, i in enumerate(rows):
-            reqs[i].structured_output_request.matcher.unsafe_compute_mask_ptr(
-                base + j * nbytes, nbytes)
+            grammar = reqs[i].structured_output_request
+            grammar.matcher.unsafe_compute_mask_ptr(base + j * nbytes, nbytes)
+            if grammar.phase == "may_open":  # <think> besides the grammar's first tokens
+                word, bit = divmod(self._open_id, 32)
+                words[j, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)
         return torch.tensor(rows, dtype=torch.long), words
 
 

@@ -3,8 +3,8 @@
 The parser alone: every way a text can be split into deltas gives the same
 reasoning and content. Over HTTP: the default model behind a chat template
 that opens a think block (DeepSeek-R1's way), so its reply is reasoning; the
-same reply with ``think: false`` is the raw text the parsed fields must add up
-to. A regex makes the model open and close a block itself (Qwen3's way).
+same prompt through /v1/completions is the raw text the parsed fields must add
+up to. A regex makes the model open and close a block itself (Qwen3's way).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from tandem.entrypoints.server.reasoning import ReasoningParser, reasoning_enabl
 # ----------------------------------------------------------------- the parser
 
 
-def parse(text: str, tail: str = "", constrained: bool = False, step: int = 1, cut: int = 0
+def parse(text: str, tail: str = "", step: int = 1, cut: int = 0
           ) -> tuple[str, str, ReasoningParser]:
     """text fed as its first ``cut`` characters, then ``step`` at a time."""
-    p = ReasoningParser.for_prompt(tail, constrained)
+    p = ReasoningParser.for_prompt(tail)
     pieces = [text[:cut]] + [text[i:i + step] for i in range(cut, len(text), step)]
     reasoning = content = ""
     for piece in pieces:
@@ -38,34 +38,35 @@ def parse(text: str, tail: str = "", constrained: bool = False, step: int = 1, c
 
 
 OPENED = "<|im_start|>assistant\n<think>\n"  # DeepSeek-R1's generation prompt
+CLOSED = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # Qwen3's, thinking off
 
 
-@pytest.mark.parametrize("text,tail,constrained,expected", [
-    ("<think>\nI think.\n</think>\n\nParis.", "", False, ("I think.", "Paris.")),
-    ("\n<think>I think.</think>Paris.", "", False, ("I think.", "Paris.")),
-    ("I think.\n</think>\n\nParis.", OPENED, False, ("I think.", "Paris.")),
-    ("<think>\nI think.\n</think>\n\nParis.", OPENED, False, ("I think.", "Paris.")),
-    ("</think>\n\nParis.", OPENED, False, ("", "Paris.")),
-    ("cut off mid thought <", OPENED, False, ("cut off mid thought <", "")),
-    ("<think>\ncut off\n", "", False, ("cut off", "")),
-    ('{"a": 1}', OPENED, True, ("", '{"a": 1}')),  # a grammar's output is content
-    ("Paris <think> x", "", False, ("", "Paris <think> x")),
-    ("\n\nParis", "", False, ("", "\n\nParis")),
-    ("<thi", "", False, ("", "<thi")),
-    ("a</think>b", "", False, ("", "a</think>b")),
-    ("<think>a</think>b</think>c", "", False, ("a", "b</think>c")),
-    ("<think>a\n\n b</think>", "", False, ("a\n\n b", "")),
-    ("", OPENED, False, ("", "")),
+@pytest.mark.parametrize("text,tail,expected", [
+    ("<think>\nI think.\n</think>\n\nParis.", "", ("I think.", "Paris.")),
+    ("\n<think>I think.</think>Paris.", "", ("I think.", "Paris.")),
+    ("I think.\n</think>\n\nParis.", OPENED, ("I think.", "Paris.")),
+    ("<think>\nI think.\n</think>\n\nParis.", OPENED, ("I think.", "Paris.")),
+    ("</think>\n\nParis.", OPENED, ("", "Paris.")),
+    ("cut off mid thought <", OPENED, ("cut off mid thought <", "")),
+    ("<think>\ncut off\n", "", ("cut off", "")),
+    ('{"a": 1}', CLOSED, ("", '{"a": 1}')),
+    ("Paris <think> x", "", ("", "Paris <think> x")),
+    ("\n\nParis", "", ("", "\n\nParis")),
+    ("<thi", "", ("", "<thi")),
+    ("a</think>b", "", ("", "a</think>b")),
+    ("<think>a</think>b</think>c", "", ("a", "b</think>c")),
+    ("<think>a\n\n b</think>", "", ("a\n\n b", "")),
+    ("", OPENED, ("", "")),
 ])
-def test_every_split_of_a_text_parses_alike(text, tail, constrained, expected):
+def test_every_split_of_a_text_parses_alike(text, tail, expected):
     for step in (1, 2, 3, len(text) or 1):
         for cut in range(len(text) + 1):
-            reasoning, content, _ = parse(text, tail, constrained, step, cut)
+            reasoning, content, _ = parse(text, tail, step, cut)
             assert (reasoning, content) == expected, (step, cut)
 
 
 def test_tokens_inside_the_block_are_counted():
-    p = ReasoningParser.for_prompt(OPENED, False)
+    p = ReasoningParser.for_prompt(OPENED)
     for piece in ["I", " think", ".", "</think>", "\n\n", "Paris", "."]:
         p.feed(piece)
     p.finish()
@@ -91,12 +92,14 @@ def test_an_unknown_mode_is_a_value_error():
 
 # ----------------------------------------------------------------- over HTTP
 
-# SmolLM2's ChatML, with DeepSeek-R1's generation prompt and its habit of dropping
-# an earlier turn's thinking.
+# SmolLM2's ChatML, with DeepSeek-R1's generation prompt, its habit of dropping an
+# earlier turn's thinking, and Qwen3's switch to close the block (thinking off).
 R1_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n"
     "{{ m.content.split('</think>')[-1] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n"
+    "{% if enable_thinking is defined and not enable_thinking %}\n</think>\n\n{% endif %}"
+    "{% endif %}")
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0}
 FORCED = "<think>\nParis is the capital\\.\n</think>\n\nParis\\."
@@ -112,13 +115,14 @@ def thinker(start_server):
 
 @pytest.fixture(scope="module")
 def raw(thinker) -> str:
-    """The greedy reply as written (think: false parses nothing)."""
-    r = httpx.post(f"{thinker.url}/api/chat", json={
-        "model": thinker.model, "messages": ASK, "think": False, "stream": False,
-        "options": {"num_predict": 24, **GREEDY}}, timeout=120)
+    """The greedy reply as written: the same prompt through /v1/completions, which
+    parses nothing."""
+    ids = httpx.post(f"{thinker.url}/tokenize", json={"messages": ASK}, timeout=60).json()
+    r = httpx.post(f"{thinker.url}/v1/completions", json={
+        "prompt": ids["tokens"], "max_tokens": 24, **GREEDY}, timeout=120)
     assert r.status_code == 200, r.text
-    text = r.json()["message"]["content"]
-    assert text.strip() and "thinking" not in r.json()["message"]
+    text = r.json()["choices"][0]["text"]
+    assert text.strip()
     return text
 
 
@@ -161,14 +165,26 @@ def test_chat_completions_return_the_reasoning_apart(thinker, raw):
 
 def test_a_block_the_model_opens_itself_is_parsed(thinker):
     """A regex makes the model write the whole block (Qwen3's template leaves the
-    opening to the model); a constrained output starts outside any block."""
+    opening to the model) after a prompt that closed one: its grammar applies from
+    the first token."""
     r = httpx.post(f"{thinker.url}/v1/chat/completions", json={
         "messages": ASK, "max_tokens": 60, "structured_outputs": {"regex": FORCED},
-        **GREEDY}, timeout=120)
+        "chat_template_kwargs": {"enable_thinking": False}, **GREEDY}, timeout=120)
     assert r.status_code == 200, r.text
     message = r.json()["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == ("Paris is the capital.",
                                                                   "Paris.")
+
+
+@pytest.mark.parametrize("fmt", [{"response_format": {"type": "json_object"}},
+                                 {"structured_outputs": {"regex": "[0-9]+"}}])
+def test_a_grammar_waits_for_the_block_to_end(thinker, raw, fmt):
+    """Inside the block the model thinks freely (the raw reply, not JSON forced from
+    the first token); this model never closes it, so no grammar ever applies."""
+    r = httpx.post(f"{thinker.url}/v1/chat/completions", json={
+        "messages": ASK, "max_tokens": 24, **fmt, **GREEDY}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["reasoning_content"] == split(raw)[0]
 
 
 def test_ollama_returns_thinking(thinker, raw):

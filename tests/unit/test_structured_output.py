@@ -44,10 +44,10 @@ def req(grammar):
     return SimpleNamespace(structured_output_request=grammar)
 
 
-def allowed(mask, row: int) -> set[int]:
+def allowed(mask, row: int, vocab: int = V) -> set[int]:
     rows, bitmask = mask
-    assert bitmask.shape == (len(rows), -(-V // 32)) and bitmask.dtype == torch.int32
-    bits = np.unpackbits(bitmask[row].numpy().view(np.uint8), bitorder="little")[:V]
+    assert bitmask.shape == (len(rows), -(-vocab // 32)) and bitmask.dtype == torch.int32
+    bits = np.unpackbits(bitmask[row].numpy().view(np.uint8), bitorder="little")[:vocab]
     return set(np.flatnonzero(bits).tolist())
 
 
@@ -201,3 +201,53 @@ def test_closed_objects_closes_what_lists_its_properties():
     assert got["properties"]["c"] == data["properties"]["c"]
     assert got["properties"]["e"] == data["properties"]["e"]
     assert set(got["properties"]) == {"c", "e", "properties"}
+
+
+def test_a_grammar_inside_a_think_block_waits_for_its_end(manager, tokenizer):
+    """reasoning="inside": no mask while the block is open, the grammar's from the token
+    after ``</think>`` (several tokens in SmolLM2's vocabulary, found in the text)."""
+    grammar = manager.new_request(SO(choice=["yes", "no"], reasoning="inside"))
+    assert manager.masks([req(grammar)]) is None
+    for t in tokenizer.encode("I think </thi", add_special_tokens=False):
+        assert not grammar.accept(t) and grammar.phase == "thinking"
+    *first_part, last = tokenizer.encode("nk>", add_special_tokens=False)
+    for t in first_part:
+        assert not grammar.accept(t) and grammar.phase == "thinking"
+    assert not grammar.accept(last) and grammar.phase == "grammar"
+    first = allowed(manager.masks([req(grammar)]), 0)
+    assert all("yes".startswith(tokenizer.decode([t])) or "no".startswith(tokenizer.decode([t]))
+               for t in first)
+
+
+def test_a_first_token_may_open_a_block_where_think_is_one_token(tokenizer):
+    """reasoning="may_open": the first mask admits <think> (one token in Qwen3's and
+    DeepSeek-R1's vocabularies) beside the grammar's tokens; taking it starts the
+    block, taking a grammar token starts the grammar. Where <think> is several
+    tokens (SmolLM2's own vocabulary) the grammar applies from the first token."""
+    assert StructuredOutputManager(tokenizer, V, EOS).new_request(
+        SO(choice=["yes"], reasoning="may_open")).phase == "grammar"
+    hf = Tokenizer.from_dir(resolve_model(None, "auto").dir)._hf
+    hf.add_tokens(["<think>", "</think>"])
+    thinker = Tokenizer(hf)
+    manager = StructuredOutputManager(thinker, V + 2, EOS)
+    think, close = thinker.encode("<think></think>", add_special_tokens=False)
+    vocab = thinker.backend.get_vocab()
+
+    grammar = manager.new_request(SO(choice=["yes", "no"], reasoning="may_open"))
+    first = allowed(manager.masks([req(grammar)]), 0, V + 2)
+    assert think in first and vocab["y"] in first and close not in first
+    assert not grammar.accept(think) and grammar.phase == "thinking"
+    assert manager.masks([req(grammar)]) is None
+    assert not grammar.accept(vocab["y"]) and not grammar.accept(close)
+    assert grammar.phase == "grammar"
+    assert think not in allowed(manager.masks([req(grammar)]), 0, V + 2)
+    assert not grammar.accept(vocab["n"]) and grammar.accept(vocab["o"])  # "no", complete
+
+    answers = manager.new_request(SO(choice=["yes", "no"], reasoning="may_open"))
+    assert not answers.accept(vocab["y"]) and answers.phase == "grammar"
+    assert answers.accept(vocab["es"])
+
+
+def test_reasoning_is_inside_may_open_or_none():
+    with pytest.raises(ValueError, match="structured_outputs.reasoning must be one of"):
+        SO(regex="a", reasoning="after")

@@ -309,10 +309,12 @@ async def _run(request: Request, state: ServerState,
                t0: float, constraint: Constraint | None, chat: bool = False,
                plan: ToolPlan | None = None) -> Response:
     k = (req.top_logprobs or 0) if req.logprobs else None
+    # think=false: the text as the model wrote it (a template that can, was told not to think).
+    reasoner = None
+    if req.think is not False:
+        reasoner, constraint = state.reasoning_for(ids, constraint)
     params = _params(state, req.options, len(ids), k, constraint)
     gen = Generation(state, state.new_id("ollama-"), [ids], [params])
-    # think=false: the text as the model wrote it (a template that can, was told not to think).
-    reasoner = None if req.think is False else state.reasoning_parser(ids, constraint is not None)
     view = _View(state, model, gen, t0, chat, plan.parser() if plan else None, reasoner)
     await start(request, gen, constraint)
     if req.stream:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
@@ -199,6 +200,7 @@ async def chat_completions(request: Request):
                                 from_structured_outputs(req.structured_outputs),
                                 plan.constraint() if plan else None)
     ids = await _chat_ids(state, req, plan)
+    reasoner, constraint = state.reasoning_for(ids, constraint)
     max_tokens = req.max_tokens if req.max_completion_tokens is None \
         else given_max_tokens(req.max_completion_tokens, "max_completion_tokens")
     if max_tokens is None:
@@ -208,7 +210,7 @@ async def chat_completions(request: Request):
     per_choice = fan_out(params)
     gen = Generation(state, state.new_id("chatcmpl-"), [ids] * len(per_choice), per_choice)
     view = _View(state, req.model or state.card.name, gen, len(per_choice), req.return_token_ids,
-                 plan, [state.reasoning_parser(ids, constraint is not None) for _ in per_choice])
+                 plan, [None if reasoner is None else replace(reasoner) for _ in per_choice])
     await start(request, gen, constraint)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

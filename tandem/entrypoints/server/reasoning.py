@@ -12,9 +12,9 @@ template, and Qwen3's newer ones, open the block themselves) means the
 output starts inside the block and only ``</think>`` will come; otherwise a
 model that thinks opens the block as its first text (Qwen3's original
 template), and one that does not (``enable_thinking: false``, whose prompt
-closes an empty block) writes only content. A grammar-constrained output
-(``response_format``, a forced tool call) starts outside the block: its
-grammar applies from the first token, so the model answers without thinking.
+closes an empty block) writes only content. A grammar (``response_format``,
+a forced tool call) waits for the block to end, as vLLM's does: the prompt's
+position travels to the engine in ``StructuredOutputsParams.reasoning``.
 
 Whitespace at the block's edges is dropped (the newlines after ``<think>``,
 before and after ``</think>``), as Ollama does. An output cut off inside the
@@ -30,11 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from tandem.sampling_params import THINK_CLOSE, THINK_OPEN
+
 if TYPE_CHECKING:
     from tandem.outputs import RequestOutput
 
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
 # --reasoning-parser: auto (on when the chat template writes think blocks), none,
 # or vLLM's parser names, which this parser covers both of.
 MODES = ("auto", "none", "qwen3", "deepseek_r1")
@@ -51,9 +51,14 @@ def reasoning_enabled(mode: str, chat_template: str | None) -> bool:
     return mode != "none"
 
 
-def prompt_opens_block(prompt_tail: str) -> bool:
-    """The prompt's last text leaves a think block open (the template opened it)."""
-    return prompt_tail.rstrip().endswith(THINK_OPEN)
+def prompt_position(prompt_tail: str) -> Literal["inside", "closed", "may_open"]:
+    """Where a prompt ending in ``prompt_tail`` leaves its output: inside a think block
+    (the template opened it), after one (it closed one: thinking turned off), or
+    where the model may open one."""
+    tail = prompt_tail.rstrip()
+    if tail.endswith(THINK_OPEN):
+        return "inside"
+    return "closed" if tail.endswith(THINK_CLOSE) else "may_open"
 
 
 def _partial_tag(text: str, tag: str) -> int:
@@ -82,10 +87,9 @@ class ReasoningParser:
     _trim: bool = False  # drop the whitespace that opens the block, or the answer after it
 
     @classmethod
-    def for_prompt(cls, prompt_tail: str, constrained: bool) -> ReasoningParser:
-        """The parser for a prompt ending in ``prompt_tail``; a constrained output
-        (its grammar applies from the first token) never starts inside a block."""
-        if prompt_opens_block(prompt_tail) and not constrained:
+    def for_prompt(cls, prompt_tail: str) -> ReasoningParser:
+        """The parser for a prompt ending in ``prompt_tail``."""
+        if prompt_position(prompt_tail) == "inside":
             return cls(state="reasoning", _trim=True)
         return cls()
 

@@ -94,6 +94,7 @@ async def responses(request: Request):
                                 plan.constraint() if plan else None)
     messages, tools = template_messages(_messages(req), plan)
     ids = await state.chat_ids(messages, tools=tools)
+    reasoner, constraint = state.reasoning_for(ids, constraint)
     max_tokens = given_max_tokens(req.max_output_tokens, "max_output_tokens")
     if max_tokens is None:
         max_tokens = open_ended_max_tokens(state, len(ids))
@@ -105,8 +106,7 @@ async def responses(request: Request):
         structured_outputs=constraint.params if constraint else None)
     gen = Generation(state, state.new_id("resp_"), [ids], [params])
     view = _View(req, state.card.name if req.model is None else req.model, gen, plan,
-                 logprobs.token_text(state.engine.tokenizer),
-                 state.reasoning_parser(ids, constraint is not None))
+                 logprobs.token_text(state.engine.tokenizer), reasoner)
     await start(request, gen, constraint)
     if req.stream:
         return ClosingStreamingResponse(view.events(), gen.close,

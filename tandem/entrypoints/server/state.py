@@ -8,8 +8,8 @@ import json
 import secrets
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 
@@ -20,8 +20,11 @@ from tandem.entrypoints.server.errors import APIError
 from tandem.entrypoints.server.metrics import ServerMetrics
 from tandem.entrypoints.server.model_card import ModelCard
 from tandem.entrypoints.server.protocol import B, parse_body, read_json
-from tandem.entrypoints.server.reasoning import ReasoningParser
+from tandem.entrypoints.server.reasoning import ReasoningParser, prompt_position
 from tandem.tokenizer import Tokenizer, check_template_kwargs
+
+if TYPE_CHECKING:
+    from tandem.entrypoints.server.structured import Constraint
 
 T = TypeVar("T")
 MAX_N = 128  # OpenAI's bound on n
@@ -58,14 +61,19 @@ class ServerState:
     def has_tokenizer(self) -> bool:
         return self.engine.tokenizer is not None
 
-    def reasoning_parser(self, prompt_ids: list[int], constrained: bool
-                         ) -> ReasoningParser | None:
-        """A chat output's reasoning parser (None when this server parses none), set
-        by where the prompt ends (see tandem.entrypoints.server.reasoning)."""
+    def reasoning_for(self, prompt_ids: list[int], constraint: Constraint | None
+                      ) -> tuple[ReasoningParser | None, Constraint | None]:
+        """A chat output's reasoning parser (None when this server parses none) and its
+        constraint, whose grammar waits for a think block to end; both follow where
+        the prompt leaves the output (see tandem.entrypoints.server.reasoning)."""
         if not self.reasoning or not self.has_tokenizer:
-            return None
+            return None, constraint
         tail = self.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-        return ReasoningParser.for_prompt(tail, constrained)
+        position = prompt_position(tail)
+        if constraint is not None and position != "closed":
+            constraint = replace(constraint, params=replace(constraint.params,
+                                                            reasoning=position))
+        return ReasoningParser.for_prompt(tail), constraint
 
     def new_id(self, prefix: str) -> str:
         """Unique within this process (the engine requires it), short, readable in logs;
