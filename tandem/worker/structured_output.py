@@ -113,18 +113,20 @@ class StructuredOutputRequest:
     grammar began, which is all of it unless a think block came first.
 
     ``phase``: ``"grammar"`` (the matcher masks every token), ``"thinking"``
-    (inside a think block: no mask until the output shows ``</think>``) or
-    ``"may_open"`` (the first token: the grammar's, or ``<think>``, which
-    starts the block).
+    (inside a think block: free until the output shows ``</think>``, but for
+    tokens that would end the tag and go on with text the grammar never saw:
+    ``pending`` is the tag's start the output ends with) or ``"may_open"``
+    (the first token: the grammar's, or ``<think>``, which starts the block).
     """
 
-    __slots__ = ("matcher", "phase", "_recent", "_decode", "_open_id")
+    __slots__ = ("matcher", "phase", "pending", "_recent", "_decode", "_open_id")
 
     def __init__(self, matcher, phase: str = "grammar",
                  decode: Callable[[list[int]], str] | None = None,
                  open_id: int | None = None) -> None:
         self.matcher = matcher  # llguidance.LLMatcher
         self.phase = phase
+        self.pending = ""
         self._recent: list[int] = []  # the last output tokens, while thinking
         self._decode = decode
         self._open_id = open_id
@@ -140,8 +142,12 @@ class StructuredOutputRequest:
             # Each token holds at least one of the tag's characters: its length
             # in tokens (and one for a tag that starts mid-token) is enough.
             self._recent = [*self._recent[-len(THINK_CLOSE):], token_id]
-            if THINK_CLOSE in self._decode(self._recent):
-                self.phase = "grammar"
+            text = self._decode(self._recent)
+            if THINK_CLOSE in text:
+                self.phase, self.pending = "grammar", ""
+            else:
+                self.pending = next((text[-n:] for n in range(len(THINK_CLOSE) - 1, 0, -1)
+                                     if THINK_CLOSE.startswith(text[-n:])), "")
             return False
         m = self.matcher
         if not m.consume_token(token_id):
@@ -177,6 +183,7 @@ class StructuredOutputManager:
         self._bitmask: torch.Tensor | None = None
         self._open_id: int | None = None  # <think> as one token, if the vocabulary has it
         self._open_known = False
+        self._tag_ends: dict[str, torch.Tensor | None] = {}  # see _prepare_tag_ends
 
     # ------------------------------------------------------------ compile
     def new_request(self, spec: StructuredOutputsParams) -> StructuredOutputRequest:
@@ -198,6 +205,8 @@ class StructuredOutputManager:
         """The first phase of a request (see StructuredOutputRequest). A first token
         may open a think block only where <think> is one token: the mask admits it
         beside the grammar's; otherwise the grammar applies from the first token."""
+        if spec.reasoning is not None:
+            self._prepare_tag_ends()
         if spec.reasoning == "inside":
             return "thinking"
         if spec.reasoning == "may_open":
@@ -210,6 +219,28 @@ class StructuredOutputManager:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _prepare_tag_ends(self) -> None:
+        """For each start of </think> a thinking output may end with (and none), the
+        mask of every token but those that would complete the tag and go on with
+        text ("k>." after "</thin"), which the grammar, starting after the tag,
+        would never see; None where no token does. Built once, from the
+        vocabulary's texts, with the first request that may think (compiling runs
+        off the event loop, not in a step)."""
+        if self._tag_ends:
+            return
+        texts = self.tokenizer.backend.decode_batch(
+            [[i] for i in range(self.tokenizer.vocab_size)], skip_special_tokens=False)
+        ends: dict[str, torch.Tensor | None] = {}
+        for n in range(len(THINK_CLOSE)):
+            pending = THINK_CLOSE[:n]
+            banned = [i for i, t in enumerate(texts) if ">" in t and _overshoots(pending + t)]
+            ends[pending] = None
+            if banned:
+                ok = torch.ones(-(-self.vocab_size // 32) * 32, dtype=torch.bool)
+                ok[banned] = False
+                ends[pending] = _pack_bits(ok)
+        self._tag_ends = ends
 
     def _compile(self, key: tuple[str, str]):
         llg = _import_llguidance()
@@ -255,8 +286,8 @@ class StructuredOutputManager:
         The bitmask is a view of a buffer the next call overwrites: it is meant
         for this step's sampler only.
         """
-        rows = [i for i, r in enumerate(reqs) if r.structured_output_request is not None
-                and r.structured_output_request.phase != "thinking"]
+        rows = [i for i, r in enumerate(reqs) if (g := r.structured_output_request) is not None
+                and (g.phase != "thinking" or self._tag_ends.get(g.pending) is not None)]
         if not rows:
             return None
         n = len(rows)
@@ -271,11 +302,28 @@ class StructuredOutputManager:
         base = words.data_ptr()
         for j, i in enumerate(rows):
             grammar = reqs[i].structured_output_request
+            if grammar.phase == "thinking":
+                words[j] = self._tag_ends[grammar.pending]
+                continue
             grammar.matcher.unsafe_compute_mask_ptr(base + j * nbytes, nbytes)
             if grammar.phase == "may_open":  # <think> besides the grammar's first tokens
                 word, bit = divmod(self._open_id, 32)
                 words[j, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)
         return torch.tensor(rows, dtype=torch.long), words
+
+
+def _overshoots(text: str) -> bool:
+    """text holds </think> and more than whitespace after it."""
+    at = text.find(THINK_CLOSE)
+    return at >= 0 and bool(text[at + len(THINK_CLOSE):].strip())
+
+
+def _pack_bits(ok: torch.Tensor) -> torch.Tensor:
+    """[32 k] bool (True = allowed) -> llguidance's bitmask row: k int32 words, bit t % 32
+    of word t // 32 for token t."""
+    weights = torch.tensor([1 << b for b in range(32)], dtype=torch.int64)
+    words = (ok.view(-1, 32).to(torch.int64) * weights).sum(1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
 def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor,

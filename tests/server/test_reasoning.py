@@ -57,6 +57,8 @@ CLOSED = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # Qwen3's, thinking o
     ("<think>a</think>b</think>c", "", ("a", "b</think>c")),
     ("<think>a\n\n b</think>", "", ("a\n\n b", "")),
     ("", OPENED, ("", "")),
+    ("<think>\n<think>\nx", OPENED, ("<think>\nx", "")),  # the model's one extra tag goes
+    ("<think>x</think>y", CLOSED, ("", "<think>x</think>y")),  # thinking was turned off
 ])
 def test_every_split_of_a_text_parses_alike(text, tail, expected):
     for step in (1, 2, 3, len(text) or 1):
@@ -92,14 +94,16 @@ def test_an_unknown_mode_is_a_value_error():
 
 # ----------------------------------------------------------------- over HTTP
 
-# SmolLM2's ChatML, with DeepSeek-R1's generation prompt, its habit of dropping an
-# earlier turn's thinking, and Qwen3's switch to close the block (thinking off).
+# SmolLM2's ChatML, with DeepSeek-R1's generation prompt, Qwen3's rendering of an
+# assistant turn's reasoning_content and its switch to close the block (thinking off);
+# model_opens leaves the block to the model (Qwen3's original generation prompt).
 R1_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
     "{{ m.content.split('</think>')[-1] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if not model_opens %}<think>\n"
     "{% if enable_thinking is defined and not enable_thinking %}\n</think>\n\n{% endif %}"
-    "{% endif %}")
+    "{% endif %}{% endif %}")
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0}
 FORCED = "<think>\nParis is the capital\\.\n</think>\n\nParis\\."
@@ -165,15 +169,22 @@ def test_chat_completions_return_the_reasoning_apart(thinker, raw):
 
 def test_a_block_the_model_opens_itself_is_parsed(thinker):
     """A regex makes the model write the whole block (Qwen3's template leaves the
-    opening to the model) after a prompt that closed one: its grammar applies from
-    the first token."""
-    r = httpx.post(f"{thinker.url}/v1/chat/completions", json={
-        "messages": ASK, "max_tokens": 60, "structured_outputs": {"regex": FORCED},
-        "chat_template_kwargs": {"enable_thinking": False}, **GREEDY}, timeout=120)
-    assert r.status_code == 200, r.text
-    message = r.json()["choices"][0]["message"]
-    assert (message["reasoning_content"], message["content"]) == ("Paris is the capital.",
-                                                                  "Paris.")
+    opening to the model): SmolLM2's <think> is several tokens, so the grammar
+    applies from the first token. After a prompt that closed a block (thinking
+    off), all of it is content, as the grammar saw it."""
+    def message(kwargs: dict) -> dict:
+        r = httpx.post(f"{thinker.url}/v1/chat/completions", json={
+            "messages": ASK, "max_tokens": 60, "structured_outputs": {"regex": FORCED},
+            "chat_template_kwargs": kwargs, **GREEDY}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]
+
+    opened = message({"model_opens": True})
+    assert (opened["reasoning_content"], opened["content"]) == ("Paris is the capital.",
+                                                                "Paris.")
+    closed = message({"enable_thinking": False})
+    assert "reasoning_content" not in closed
+    assert closed["content"] == "<think>\nParis is the capital.\n</think>\n\nParis."
 
 
 @pytest.mark.parametrize("fmt", [{"response_format": {"type": "json_object"}},
@@ -229,9 +240,48 @@ def test_responses_return_a_reasoning_item(thinker, raw):
                 done = event.text
         final = stream.get_final_response()
     assert deltas == done == reasoning
-    assert kinds.index("response.output_item.added") < kinds.index(
-        "response.reasoning_text.delta")
+    assert kinds[2:5] == ["response.output_item.added", "response.content_part.added",
+                          "response.reasoning_text.delta"]
+    done = kinds.index("response.reasoning_text.done")
+    assert kinds[done:done + 3] == ["response.reasoning_text.done", "response.content_part.done",
+                                    "response.output_item.done"]
     assert final.output[0].type == "reasoning" and final.output_text == content
+
+
+def test_earlier_reasoning_reaches_the_template(thinker):
+    """An assistant turn's reasoning, as each API returned it, goes back to the template
+    as reasoning_content (Qwen3's keeps it for the turns of the current tool loop)."""
+    turn = [*ASK, {"role": "assistant", "content": "Paris."},
+            {"role": "user", "content": "And of Spain?"}]
+
+    def rendered(**fields) -> str:
+        messages = [dict(m, **fields) if m["role"] == "assistant" else m for m in turn]
+        ids = httpx.post(f"{thinker.url}/tokenize", json={"messages": messages},
+                         timeout=60).json()["tokens"]
+        return httpx.post(f"{thinker.url}/detokenize", json={"tokens": ids},
+                          timeout=60).json()["prompt"]
+
+    for name in ("reasoning_content", "reasoning"):
+        assert "<think>Easy.</think>Paris." in rendered(**{name: "Easy."})
+    assert "<think>" not in rendered().split("And of Spain")[0]
+
+    def ollama_prompt(**fields) -> int:
+        messages = [dict(m, **fields) if m["role"] == "assistant" else m for m in turn]
+        return httpx.post(f"{thinker.url}/api/chat", json={
+            "model": thinker.model, "messages": messages, "stream": False,
+            "options": {"num_predict": 1}}, timeout=60).json()["prompt_eval_count"]
+
+    assert ollama_prompt(thinking="Easy, it is Paris.") > ollama_prompt()
+
+    def responses_prompt(*thought) -> int:
+        items = [ASK[0], *thought, {"role": "assistant", "content": "Paris."},
+                 {"role": "user", "content": "And of Spain?"}]
+        return httpx.post(f"{thinker.url}/v1/responses", json={
+            "input": items, "max_output_tokens": 1}, timeout=60).json()["usage"]["input_tokens"]
+
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "Easy, it is Paris."}]}
+    assert responses_prompt(thought) > responses_prompt()
 
 
 def test_a_model_that_does_not_think_refuses_think(real_server):

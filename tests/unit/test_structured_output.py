@@ -219,6 +219,22 @@ def test_a_grammar_inside_a_think_block_waits_for_its_end(manager, tokenizer):
                for t in first)
 
 
+def test_a_token_that_ends_the_tag_and_goes_on_is_banned(manager, tokenizer):
+    """After "</think" a token ">." would start the answer with text the grammar never
+    saw: while the output ends with a start of the tag, such tokens are masked; ">"
+    and ">\n" (whitespace, which the answer drops) stay allowed."""
+    grammar = manager.new_request(SO(choice=["yes", "no"], reasoning="inside"))
+    for t in tokenizer.encode("I think </think", add_special_tokens=False):
+        grammar.accept(t)
+    assert grammar.phase == "thinking" and grammar.pending == "</think"
+    ok = allowed(manager.masks([req(grammar)]), 0)
+    vocab = tokenizer.backend.get_vocab()
+    assert vocab[">"] in ok and vocab["the"] in ok and vocab["Ċ"] in ok
+    assert tokenizer.encode(">.", add_special_tokens=False)[0] not in ok
+    grammar.accept(vocab[">"])
+    assert grammar.phase == "grammar" and grammar.pending == ""
+
+
 def test_a_first_token_may_open_a_block_where_think_is_one_token(tokenizer):
     """reasoning="may_open": the first mask admits <think> (one token in Qwen3's and
     DeepSeek-R1's vocabularies) beside the grammar's tokens; taking it starts the

@@ -233,6 +233,8 @@ async def chat(request: Request):
                 for c in m.tool_calls]
         if m.tool_name is not None:
             msg["name"] = m.tool_name
+        if m.thinking and m.role == "assistant":
+            msg["reasoning_content"] = m.thinking  # what thinking models' templates read
         messages.append(msg)
     messages, tools = template_messages(messages, plan)
     # A last assistant message with text is continued, not answered, as Ollama does.

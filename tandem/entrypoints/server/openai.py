@@ -275,6 +275,9 @@ async def _chat_ids(state: ServerState, req: ChatCompletionRequest | TokenizeReq
                 for j, c in enumerate(m.tool_calls)]
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
+        thinking = m.reasoning_content or m.reasoning
+        if thinking and m.role == "assistant":
+            msg["reasoning_content"] = thinking  # what thinking models' templates read
         flat.append(msg)
     flat, tools = template_messages(flat, plan)
     return await state.chat_ids(flat, req.add_generation_prompt, tools,

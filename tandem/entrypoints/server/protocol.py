@@ -179,6 +179,9 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool result: the call it answers
+    # An assistant turn's thinking, as the reasoning parser returned it (both of vLLM's names).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -335,6 +338,7 @@ class OllamaMessage(_Body):
     images: list[Any] | None = None
     tool_calls: list[OllamaToolCall] | None = None
     tool_name: str | None = None  # a tool result: the tool that produced it
+    thinking: str | None = None  # an assistant turn's thinking, as /api/chat returned it
 
 
 class OllamaChatRequest(_OllamaBody):

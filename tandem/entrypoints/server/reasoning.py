@@ -21,8 +21,8 @@ before and after ``</think>``), as Ollama does. An output cut off inside the
 block (max_tokens) is all reasoning.
 
 One incremental parser serves streaming and whole responses alike (a whole
-response is the stream fed at once), so both always agree; a tag split across
-tokens is held back until it is known.
+response is fed output by output, as its stream is), so both always agree; a
+tag split across tokens is held back until it is known.
 """
 
 from __future__ import annotations
@@ -85,13 +85,16 @@ class ReasoningParser:
     reasoning_tokens: int = 0
     _held: str = ""  # a tag's first characters, or whitespace that may end the block
     _trim: bool = False  # drop the whitespace that opens the block, or the answer after it
+    _reopen: bool = False  # a block the prompt opened: one <think> the model adds is dropped
 
     @classmethod
     def for_prompt(cls, prompt_tail: str) -> ReasoningParser:
-        """The parser for a prompt ending in ``prompt_tail``."""
-        if prompt_position(prompt_tail) == "inside":
-            return cls(state="reasoning", _trim=True)
-        return cls()
+        """The parser for a prompt ending in ``prompt_tail``: after a prompt that closed
+        a block (thinking turned off) everything is content, as the grammar sees it."""
+        position = prompt_position(prompt_tail)
+        if position == "inside":
+            return cls(state="reasoning", _trim=True, _reopen=True)
+        return cls(state="content") if position == "closed" else cls()
 
     def feed(self, text: str, tokens: int = 1) -> tuple[str, str]:
         """The next delta (``tokens`` tokens' text) -> its (reasoning, content)."""
@@ -111,15 +114,15 @@ class ReasoningParser:
                 else:
                     self.state = "content"
             elif self.state == "reasoning":
-                if self._trim:  # the block's start: its whitespace, and a second
-                    buf = buf.lstrip()  # <think> after a prompt that opened it, go
-                    if buf.startswith(THINK_OPEN):
-                        buf = buf[len(THINK_OPEN):]
+                if self._trim:  # the block's start: its whitespace goes, and a
+                    buf = buf.lstrip()  # <think> the model adds to the prompt's, once
+                    if self._reopen and buf.startswith(THINK_OPEN):
+                        buf, self._reopen = buf[len(THINK_OPEN):], False
                         continue
-                    if THINK_OPEN.startswith(buf):  # "", or maybe that tag
+                    if not buf or (self._reopen and THINK_OPEN.startswith(buf)):
                         self._held = buf
                         break
-                    self._trim = False
+                    self._trim = self._reopen = False
                 end = buf.find(THINK_CLOSE)
                 if end >= 0:
                     reasoning += buf[:end].rstrip()

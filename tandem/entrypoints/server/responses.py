@@ -2,8 +2,8 @@
 
 Nothing is stored: every turn travels in ``input`` (messages, the model's
 ``function_call`` items and the caller's ``function_call_output`` items;
-``reasoning`` items are dropped, as chat templates drop an earlier turn's
-thinking), so ``previous_response_id`` is refused and ``store`` is only ever
+a ``reasoning`` item reaches the template as the next assistant turn's
+``reasoning_content``), so ``previous_response_id`` is refused and ``store`` is only ever
 false. The request becomes a chat (instructions as the system message), runs
 through the same tools, grammar and parsers as /v1/chat/completions, and comes
 back as ``output`` items: a ``reasoning`` item with the model's thinking (see
@@ -142,9 +142,11 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         return [*out, {"role": "user", "content": req.input}]
     if not req.input:
         raise bad_request("input must not be empty", "input")
+    thought = ""  # a reasoning item's text, for the assistant turn that follows it
     for i, raw in enumerate(req.input):
         kind = raw.get("type", "message")
-        if kind == "reasoning":  # an earlier turn's thinking: chat templates drop it too
+        if kind == "reasoning":
+            thought = _reasoning_text(raw)
             continue
         model = _ITEMS.get(kind)
         if model is None:
@@ -171,6 +173,9 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         else:
             assert isinstance(item, ResponsesFunctionCallOutputItem)
             out.append({"role": "tool", "content": item.output, "tool_call_id": item.call_id})
+        if out and out[-1]["role"] == "assistant" and thought:
+            out[-1]["reasoning_content"] = thought  # what thinking models' templates read
+        thought = ""
     if len(out) == bool(req.instructions):
         raise bad_request("input holds only reasoning items; send a message", "input")
     return out
@@ -304,8 +309,12 @@ class _View:
         if self._thought is None:
             self._thought = _reasoning(_id("rs"), "", "in_progress")
             self.output.append(self._thought)
-            events.append(self._event("response.output_item.added",
-                                      output_index=len(self.output) - 1, item=self._thought))
+            index = len(self.output) - 1
+            events.append(self._event("response.output_item.added", output_index=index,
+                                      item=self._thought))
+            events.append(self._event("response.content_part.added", item_id=self._thought["id"],
+                                      output_index=index, content_index=0,
+                                      part=dict(self._thought["content"][0])))
         self._thought["content"][0]["text"] += text
         events.append(self._event("response.reasoning_text.delta", item_id=self._thought["id"],
                                   output_index=self.output.index(self._thought),
@@ -321,6 +330,8 @@ class _View:
         return [
             self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                         content_index=0, text=item["content"][0]["text"]),
+            self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                        content_index=0, part=item["content"][0]),
             self._event("response.output_item.done", output_index=index, item=item),
         ]
 
@@ -407,6 +418,18 @@ def _output_text(text: str) -> dict[str, Any]:
 def _message(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [_output_text(text)]}
+
+
+def _reasoning_text(item: dict[str, Any]) -> str:
+    """A reasoning input item's text: its ``content`` (reasoning_text parts), else its
+    ``summary``; parts that are not objects with a string ``text`` are skipped."""
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        texts = [p["text"] for p in parts if isinstance(p, dict) and isinstance(
+            p.get("text"), str)] if isinstance(parts, list) else []
+        if texts:
+            return "\n".join(texts)
+    return ""
 
 
 def _reasoning(item_id: str, text: str, status: str) -> dict[str, Any]:

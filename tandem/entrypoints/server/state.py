@@ -145,8 +145,8 @@ class ServerState:
         """Both APIs' chat prompt: bounded (more characters than the context holds are
         refused first), then templated and encoded off the event loop."""
         tok = self.tokenizer
-        chars = sum(len(m["content"]) + len(json.dumps(m.get("tool_calls") or ""))
-                    for m in messages)
+        chars = sum(len(m["content"]) + len(m.get("reasoning_content") or "")
+                    + len(json.dumps(m.get("tool_calls") or "")) for m in messages)
         extra = len(json.dumps(tools or "")) + len(json.dumps(template_kwargs or ""))
         self._check_text(chars + extra, "messages")
         try:
