@@ -74,3 +74,13 @@ def test_an_unusable_cache_folder_is_one_line_and_exit_2(monkeypatch, tmp_path, 
     err = capsys.readouterr().err
     assert err.startswith("tandem generate: error: cannot create the cache folder")
     assert "TANDEM_CACHE" in err and err.count("\n") == 1
+
+
+def test_python_dash_m_tandem_is_the_command():
+    """Where the ``tandem`` script is not on PATH (a venv not activated)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "tandem", "serve", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "--reasoning-parser" in out.stdout
