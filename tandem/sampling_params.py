@@ -20,6 +20,15 @@ THINK_CLOSE = "</think>"
 REASONING_STARTS = ("inside", "may_open")
 
 
+def partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``tag``: a tag
+    split across tokens, held back (or watched for) until the next token says."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 

@@ -32,6 +32,7 @@ constrained request gets a ValueError naming the extra.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import threading
@@ -43,7 +44,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tandem.kernels import custom_ops
-from tandem.sampling_params import THINK_CLOSE, THINK_OPEN, StructuredOutputsParams
+from tandem.sampling_params import (
+    THINK_CLOSE,
+    THINK_OPEN,
+    StructuredOutputsParams,
+    partial_suffix,
+)
 
 if TYPE_CHECKING:
     from tandem.core.request import Request
@@ -146,8 +152,7 @@ class StructuredOutputRequest:
             if THINK_CLOSE in text:
                 self.phase, self.pending = "grammar", ""
             else:
-                self.pending = next((text[-n:] for n in range(len(THINK_CLOSE) - 1, 0, -1)
-                                     if THINK_CLOSE.startswith(text[-n:])), "")
+                self.pending = THINK_CLOSE[:partial_suffix(text, THINK_CLOSE)]
             return False
         m = self.matcher
         if not m.consume_token(token_id):
@@ -181,8 +186,6 @@ class StructuredOutputManager:
         self._ll_json_tokenizer = None
         self._grammars: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._bitmask: torch.Tensor | None = None
-        self._open_id: int | None = None  # <think> as one token, if the vocabulary has it
-        self._open_known = False
         self._tag_ends: dict[str, torch.Tensor | None] = {}  # see _prepare_tag_ends
 
     # ------------------------------------------------------------ compile
@@ -198,8 +201,9 @@ class StructuredOutputManager:
                     self._grammars.popitem(last=False)
             else:
                 self._grammars.move_to_end(key)
-            return StructuredOutputRequest(pristine.deep_copy(), self._phase(spec),
-                                           self._decode, self._open_id)
+            phase = self._phase(spec)
+            return StructuredOutputRequest(pristine.deep_copy(), phase, self._decode,
+                                           self._open_id if phase == "may_open" else None)
 
     def _phase(self, spec: StructuredOutputsParams) -> str:
         """The first phase of a request (see StructuredOutputRequest). A first token
@@ -209,13 +213,15 @@ class StructuredOutputManager:
             self._prepare_tag_ends()
         if spec.reasoning == "inside":
             return "thinking"
-        if spec.reasoning == "may_open":
-            if not self._open_known:
-                ids = self.tokenizer.encode(THINK_OPEN, add_special_tokens=False)
-                self._open_id = ids[0] if len(ids) == 1 else None
-                self._open_known = True
-            return "grammar" if self._open_id is None else "may_open"
+        if spec.reasoning == "may_open" and self._open_id is not None:
+            return "may_open"
         return "grammar"
+
+    @functools.cached_property
+    def _open_id(self) -> int | None:
+        """<think> as one token, if the vocabulary has it."""
+        ids = self.tokenizer.encode(THINK_OPEN, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from tandem.sampling_params import THINK_CLOSE, THINK_OPEN
+from tandem.sampling_params import THINK_CLOSE, THINK_OPEN, partial_suffix
 
 if TYPE_CHECKING:
     from tandem.outputs import RequestOutput
@@ -59,14 +59,6 @@ def prompt_position(prompt_tail: str) -> Literal["inside", "closed", "may_open"]
     if tail.endswith(THINK_OPEN):
         return "inside"
     return "closed" if tail.endswith(THINK_CLOSE) else "may_open"
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """Length of the longest end of text that begins tag (a tag split across tokens)."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 @dataclass
@@ -129,7 +121,7 @@ class ReasoningParser:
                     self.state, self._trim = "content", True
                     buf = buf[end + len(THINK_CLOSE):]
                     continue
-                keep = len(buf) - _partial_tag(buf, THINK_CLOSE)
+                keep = len(buf) - partial_suffix(buf, THINK_CLOSE)
                 sure = buf[:keep].rstrip()  # whitespace that may end the block waits too
                 reasoning += sure
                 self._held = buf[len(sure):]

@@ -26,6 +26,8 @@ import string
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from tandem.sampling_params import partial_suffix
+
 Family = Literal["hermes", "llama3_json"]
 Mode = Literal["hermes", "llama3_json", "array", "arguments"]
 
@@ -347,7 +349,7 @@ class ToolCallParser:
                 buf = buf[at + len(TOOL_CALL_OPEN):]
                 self._begin(TOOL_CALL_OPEN, out)
                 continue
-            keep = _partial_suffix(buf, TOOL_CALL_OPEN)
+            keep = partial_suffix(buf, TOOL_CALL_OPEN)
             if len(buf) > keep:
                 out.append(Delta(content=buf[:len(buf) - keep]))
             self._held = buf[len(buf) - keep:]
@@ -451,14 +453,6 @@ def is_json_object(text: str) -> bool:
         return isinstance(json.loads(text), dict)
     except ValueError:
         return False
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that is a proper start of ``tag``."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def _merge(deltas: list[Delta]) -> list[Delta]:
