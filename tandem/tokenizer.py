@@ -93,6 +93,24 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
 
+    def token_bytes(self, tid: int) -> bytes:
+        """The bytes token ``tid`` stands for: its text's UTF-8 where that is whole,
+        else (the token holds part of a character: its text is U+FFFD) its vocabulary
+        entry's own bytes, byte-level BPE's character per byte or SentencePiece's
+        ``<0xNN>``, so the parts of a character that several tokens share join up."""
+        text = self.decode([tid], skip_special_tokens=False)
+        piece = self.backend.id_to_token(tid) if "\ufffd" in text else None
+        if piece is None:
+            return text.encode()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        if all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return text.encode()
+
     @cached_property
     def max_chars_per_token(self) -> int:
         """An upper bound on the characters of text one token stands for.
@@ -133,6 +151,18 @@ class Tokenizer:
         text = self.render_chat(messages, add_generation_prompt, tools, continue_final,
                                 template_kwargs)
         return self.encode(text, add_special_tokens=False)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's vocabulary alphabet (GPT-2's): printable bytes stand for
+    themselves, the other 68 for the characters from U+0100 on, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 def _check_messages(messages) -> None:

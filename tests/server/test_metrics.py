@@ -165,6 +165,9 @@ def test_head_probes_and_cors(start_server, tiny_config_path, server):
     assert "authorization" in local.headers["access-control-allow-headers"].lower()
     r = httpx.get(f"{server.url}/v1/models", headers={"Origin": "http://127.0.0.1:8080"})
     assert r.headers["access-control-allow-origin"] == "http://127.0.0.1:8080"
+    for app in ("vscode-webview://abc", "vscode-file://vscode-app", "tauri://localhost"):
+        assert httpx.options(f"{server.url}/api/chat",
+                             headers={"Origin": app, **preflight}).status_code == 200, app
     site = {"Origin": "https://example.com"}
     assert httpx.options(f"{server.url}/v1/chat/completions",
                          headers={**site, **preflight}).status_code == 400

@@ -113,14 +113,58 @@ def test_options_are_honoured(client):
     assert r.eval_count == 3 and r.done_reason == "length"
 
 
-def test_num_ctx_above_the_window_is_an_error(client):
+def test_num_ctx_and_num_predict_are_bounds(client):
+    """As in Ollama: a num_ctx above the server's window is capped at it (clients send
+    one to every model), num_predict ends at the window ("length"), and only a prompt
+    that leaves no room is an error."""
+    r = client.generate(model="smollm2", prompt="hi", raw=True, stream=False,
+                        options={"num_ctx": 4096, "num_predict": 3, "temperature": 0})
+    assert r.eval_count == 3 and r.done_reason == "length"
+    r = client.generate(model="smollm2", prompt="Count: 1, 2, 3,", raw=True, stream=False,
+                        options={"num_ctx": 24, "num_predict": 500, "temperature": 0})
+    assert r.done_reason == "length" and r.prompt_eval_count + r.eval_count == 24
     with pytest.raises(ollama.ResponseError) as e:
-        client.generate(model="smollm2", prompt="hi", options={"num_ctx": 4096})
-    assert e.value.status_code == 400 and "4096" in e.value.error and "1024" in e.value.error
-    with pytest.raises(ollama.ResponseError) as e:  # a smaller num_ctx is a real limit
         client.generate(model="smollm2", prompt="hi " * 40, stream=False,
                         options={"num_ctx": 32, "num_predict": 4})
     assert e.value.status_code == 400 and "num_ctx" in e.value.error
+
+
+def test_ollama_names_on_every_api(client, real_server):
+    """The name /api/tags lists (and Ollama's full one) is the model on /v1 too, as
+    Ollama's own /v1 takes it; format {} is any JSON, as Ollama passes it on."""
+    for name in ("smollm2:latest", "registry.ollama.ai/library/smollm2:latest"):
+        r = httpx.post(f"{real_server.url}/v1/chat/completions", headers=real_server.headers,
+                       json={"model": name, "messages": CHAT, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert client.show(name).details.family
+    r = client.generate(model="smollm2", prompt="A person as JSON:", format={}, stream=False,
+                        options={"num_predict": 12, "temperature": 0})
+    assert r.response.lstrip().startswith("{")
+
+
+def _long_chat(turns: int) -> list[dict]:
+    chat = [{"role": "system", "content": "You are terse."}]
+    for i in range(turns):
+        chat += [{"role": "user", "content": f"Question {i}: " + "tell me about the sea. " * 6},
+                 {"role": "assistant", "content": f"Answer {i}: " + "the sea is wide. " * 6}]
+    return chat + [{"role": "user", "content": "Say hi."}]
+
+
+def test_a_chat_longer_than_the_window_loses_its_oldest_turns(client, real_server):
+    """Ollama's truncate: the system message and the last turn stay, the oldest turns
+    go, and the reply still has room; truncate false keeps the 400."""
+    opts = {"num_ctx": 400, "num_predict": 8, "temperature": 0}
+    whole = client.chat(model="smollm2", messages=_long_chat(2), options=opts)
+    r = client.chat(model="smollm2", messages=_long_chat(30), options=opts)
+    assert r.done_reason in ("stop", "length") and r.eval_count <= 8
+    assert whole.prompt_eval_count < r.prompt_eval_count <= 400 - 8
+    short = client.chat(model="smollm2", messages=_long_chat(30)[-3:], options=opts)
+    assert r.prompt_eval_count > short.prompt_eval_count  # the system message and more
+    body = {"model": "smollm2", "messages": _long_chat(30), "options": opts,
+            "stream": False, "truncate": False}
+    e = httpx.post(f"{real_server.url}/api/chat", json=body, timeout=60, headers={
+        "Authorization": f"Bearer {API_KEY}"})
+    assert e.status_code == 400 and "num_ctx" in e.json()["error"], e.text
 
 
 def test_unknown_model_and_missing_key(client, real_server):

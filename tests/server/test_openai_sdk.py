@@ -154,6 +154,19 @@ def test_chat_logprobs(client):
     assert "".join(e.token for e in entries).startswith(r.choices[0].message.content[:5])
 
 
+def test_logprob_bytes_join_into_characters(client):
+    """A character split across tokens: each token's text is U+FFFD, its bytes its own
+    part, so the bytes join into the reply (OpenAI's reason for the field)."""
+    r = client.chat.completions.create(
+        model="smollm2", messages=CHAT, max_tokens=8, logprobs=True, top_logprobs=1,
+        extra_body={"structured_outputs": {"regex": "🌍🌍 ok"}})
+    entries = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == "🌍🌍 ok" and "\ufffd" in entries[0].token
+    assert b"".join(bytes(e.bytes) for e in entries).decode() == "🌍🌍 ok"
+    tops = [t for e in entries for t in e.top_logprobs]
+    assert all(bytes(t.bytes).decode() == t.token for t in tops if "\ufffd" not in t.token)
+
+
 def test_completion_logprobs(client):
     r = client.completions.create(model="smollm2", prompt=COUNTING, max_tokens=4,
                                   temperature=0, logprobs=2)

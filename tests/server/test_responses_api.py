@@ -149,6 +149,8 @@ def test_text_format_json_schema(client):
 @pytest.mark.parametrize("body,param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"store": True}, "store"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"background": True}, "background"),
     ({"input": []}, "input"),
     ({"input": [{"type": "image_generation_call", "id": "ig_1"}]}, "input[0].type"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
@@ -156,7 +158,7 @@ def test_text_format_json_schema(client):
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{x"}]},
      "input[0].arguments"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
-    ({"tools": [{"type": "function"}]}, "tools.0.name"),
+    ({"tools": [{"type": "function"}]}, "tools[0].name"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
      "text.format.schema"),
     ({"max_output_tokens": 0}, "max_output_tokens"),

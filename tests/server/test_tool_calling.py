@@ -93,6 +93,30 @@ def test_required_yields_a_valid_call_streamed_and_not(client):
     jsonschema.validate(json.loads(calls[0]["arguments"]), PARAMS[calls[0]["name"]])
 
 
+def test_forced_calls_stream_no_empty_deltas(client):
+    """A forced call's grammar scaffolding ('[{"name": "') sends no chunks of its own, as
+    in vLLM: every chunk between the first (the role) and the last (finish_reason) carries
+    a call delta, and none carries content."""
+    kwargs = dict(model="smollm2", messages=ASK, tools=TOOLS, tool_choice="required",
+                  parallel_tool_calls=False, max_tokens=120, seed=9, **HOT)
+    chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    assert all(c.choices[0].delta.tool_calls for c in chunks[1:-1]), chunks
+    assert not any(c.choices[0].delta.content for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_call_cut_before_its_arguments_goes_back(client):
+    """A forced call that max_tokens cut before its arguments ('' as the server sent it)
+    goes back in the history as a call with no arguments (vLLM reads '' as {})."""
+    messages = [*ASK, {"role": "assistant", "tool_calls": [{
+        "id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": ""}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = client.chat.completions.create(model="smollm2", messages=messages, tools=TOOLS,
+                                       max_tokens=4)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
 def test_required_cut_before_a_name_is_no_content(client):
     """max_tokens ends a forced call before its name: the whole response says what the
     stream said, no content and no call (the grammar's '[{"name": "' is not a reply)."""
@@ -222,12 +246,12 @@ def test_auto_streams_only_the_calls_the_whole_response_holds(client, text, cont
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "not among tools"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
-    ({"tools": [{"type": "function"}]}, "tools.0.function", "Field required"),
-    ({"tools": [{"type": "retrieval", "function": {"name": "x"}}]}, "tools.0.type", "function"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function", "Field required"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "x"}}]}, "tools[0].type", "function"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
-     "tools.0.function.name", "pattern"),
+     "tools[0].function.name", "pattern"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
-     "tools.0.function.parameters", "dictionary"),
+     "tools[0].function.parameters", "dictionary"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name", "given twice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "x"}}}}}],
@@ -280,9 +304,20 @@ def test_ollama_tools_streamed_and_not(ollama_client):
     parts = list(ollama_client.chat(model="smollm2", messages=HISTORY, tools=TOOLS,
                                     options=opts, stream=True))
     with_calls = [p for p in parts if p.message.tool_calls]
-    assert len(with_calls) == 1 and with_calls[0].message.tool_calls == calls  # whole, once
+    assert len(with_calls) == 1  # whole, once
+    assert [c.function for c in with_calls[0].message.tool_calls] == \
+        [c.function for c in calls]
     assert "".join(p.message.content for p in parts) == ""
     assert parts[-1].done and parts[-1].eval_count == len(parts)
+
+
+def test_ollama_tool_calls_have_an_id_and_index(real_server):
+    """Current Ollama's call fields (the SDK this suite pins predates them)."""
+    r = httpx.post(f"{real_server.url}/api/chat", headers=real_server.headers, timeout=60,
+                   json={"model": "smollm2", "messages": HISTORY, "tools": TOOLS,
+                         "stream": False, "options": {"temperature": 0, "num_predict": 60}})
+    [call] = r.json()["message"]["tool_calls"]
+    assert call["id"].startswith("call_") and call["function"]["index"] == 0
 
 
 def test_ollama_tool_result_round_trip(ollama_client):
@@ -292,10 +327,16 @@ def test_ollama_tool_result_round_trip(ollama_client):
                            options={"temperature": 0, "num_predict": 30})
     assert r.message.content and not r.message.tool_calls
     assert r.prompt_eval_count > 0
+    # The call's id as /api/chat returned it, and the result naming it, go back too.
+    messages[1]["tool_calls"][0]["id"] = "call_1"
+    messages[2]["tool_call_id"] = "call_1"
+    again = ollama_client.chat(model="smollm2", messages=messages, tools=TOOLS,
+                               options={"temperature": 0, "num_predict": 30})
+    assert again.message.content == r.message.content
 
 
 def test_ollama_malformed_tools_are_a_400(real_server):
     r = httpx.post(f"{real_server.url}/api/chat", headers=real_server.headers, timeout=60,
                    json={"model": "smollm2", "messages": ASK, "stream": False,
                          "tools": [{"type": "function", "function": {"description": "x"}}]})
-    assert r.status_code == 400 and "tools.0.function.name" in r.json()["error"], r.text
+    assert r.status_code == 400 and "tools[0].function.name" in r.json()["error"], r.text

@@ -90,6 +90,24 @@ def test_good_calls_beside_a_broken_one(step):
         assert whole == content and [(c.name, c.arguments) for c in found] == [calls[0]]
 
 
+CALL = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}'
+
+
+@pytest.mark.parametrize("text,expected", [
+    (f"{CALL}\n</tool_call>\n{CALL}\n</tool_call", "\n"),  # max_tokens cut the last tag
+    (f"{CALL}\n</tool_call>\n{CALL}\n</tool_call>\n\n", "\n\n\n"),
+    (f"{CALL}\n\nThe answer.", "\n\nThe answer."),  # no closing tag: text goes on
+    (f"{CALL}\n</tool_call>\n\n  Done.", "\n\n  Done."),
+])
+@pytest.mark.parametrize("step", [1, 2, 3, 1000])
+def test_text_after_a_call_streamed_and_whole(text, expected, step):
+    """Space between a call and its closing tag, and a closing tag cut short, are
+    markup; space before text that follows is content: the same however it streams."""
+    content, calls, p = run("hermes", text, step)
+    assert content == expected and all(c == ("f", '{"a": 1}') for c in calls.values())
+    assert p.result()[0] == (expected if expected.strip() else None)
+
+
 @pytest.mark.parametrize("step", [1, 5, 1000])
 def test_max_calls_keeps_the_first(step):
     """parallel_tool_calls false: the first call only, the rest dropped (vLLM's way)."""

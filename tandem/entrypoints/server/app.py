@@ -47,7 +47,7 @@ Loader = Callable[[], EngineClient]
 # Browser pages that may call the APIs unless --allowed-origins says otherwise: what
 # Ollama allows by default (pages served from this machine, desktop apps' schemes).
 LOCAL_ORIGINS = (r"(https?://(localhost|127\.0\.0\.1|0\.0\.0\.0|\[::1\])(:\d+)?"
-                 r"|(app|file|tauri|vscode-webview)://.*)")
+                 r"|(app|file|tauri|vscode-webview|vscode-file)://.*)")
 # Answer while the model loads: they need no engine, and clients probe them
 # to find out whether a server is there at all (Ollama's CLI: HEAD /).
 OPEN_WHILE_LOADING = frozenset({"/version", "/api/version", "/"})

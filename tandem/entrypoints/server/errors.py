@@ -69,8 +69,7 @@ def from_validation_error(err: ValidationError) -> APIError:
     parts: list[str] = []
     first_param = None
     for e in err.errors(include_url=False):
-        loc = [str(x) for x in e.get("loc", ()) if not _is_type_tag(x)]
-        field = ".".join(loc) or "body"
+        field = _field(e.get("loc", ()))
         if field in seen:
             continue
         seen.add(field)
@@ -79,6 +78,18 @@ def from_validation_error(err: ValidationError) -> APIError:
         if len(parts) == 3:
             break
     return APIError(400, "invalid request: " + "; ".join(parts), param=first_param)
+
+
+def _field(loc: tuple) -> str:
+    """pydantic's error location as the server's own messages name a field:
+    ``messages[0].content``."""
+    field = ""
+    for x in loc:
+        if isinstance(x, int):
+            field += f"[{x}]"
+        elif not _is_type_tag(x):
+            field += f".{x}" if field else str(x)
+    return field or "body"
 
 
 def _is_type_tag(x: object) -> bool:

@@ -8,7 +8,7 @@ completions (parallel lists), chat completions and the Responses API
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from tandem.entrypoints.server.errors import bad_request
 from tandem.outputs import RequestOutput
@@ -17,7 +17,7 @@ from tandem.tokenizer import Tokenizer
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 NEG = -9999.0  # vLLM's stand-in for -inf: JSON has no infinities
 
-Entry = tuple[str, float, list[tuple[str, float]]]  # (token, logprob, its top k)
+Entry = tuple[int, float, list[tuple[int, float]]]  # (token id, logprob, its top k)
 
 
 def check_top(k: int | None, param: str) -> None:
@@ -26,19 +26,31 @@ def check_top(k: int | None, param: str) -> None:
         raise bad_request(f"{param} must be between 0 and {MAX_LOGPROBS}, got {k}", param)
 
 
-def token_text(tok: Tokenizer | None) -> Callable[[int], str]:
-    """A token's text as the APIs show it (vLLM's ``token_id:N`` without a tokenizer)."""
-    if tok is None:
-        return lambda tid: f"token_id:{tid}"
-    return lambda tid: tok.decode([tid], skip_special_tokens=False)
+class TokenNames:
+    """A token's text and bytes as the APIs show them (vLLM's ``token_id:N`` without a
+    tokenizer)."""
+
+    def __init__(self, tok: Tokenizer | None) -> None:
+        self.tok = tok
+
+    def text(self, tid: int) -> str:
+        if self.tok is None:
+            return f"token_id:{tid}"
+        return self.tok.decode([tid], skip_special_tokens=False)
+
+    def bytes(self, tid: int) -> list[int]:
+        """OpenAI's ``bytes``: the token's own, so the parts of a character that
+        several tokens share join up (its text alone is U+FFFD)."""
+        if self.tok is None:
+            return list(self.text(tid).encode())
+        return list(self.tok.token_bytes(tid))
 
 
 def finite(x: float | None) -> float:
     return x if x is not None and math.isfinite(x) else NEG
 
 
-def entries(outs: Iterable[RequestOutput], k: int, text: Callable[[int], str],
-            with_sampled: bool = False) -> list[Entry]:
+def entries(outs: Iterable[RequestOutput], k: int, with_sampled: bool = False) -> list[Entry]:
     """(token, logprob, top k) per new token of ``outs``; ``with_sampled``: the sampled
     token joins its top k when it is not among them (the completions API's up to
     logprobs + 1 entries)."""
@@ -48,15 +60,14 @@ def entries(outs: Iterable[RequestOutput], k: int, text: Callable[[int], str],
             top = sorted(lps.items(), key=lambda kv: -kv[1])[:k]
             if with_sampled and all(t != tid for t, _ in top):
                 top.append((tid, lps.get(tid, NEG)))
-            found.append((text(tid), finite(lps.get(tid)),
-                          [(text(t), finite(lp)) for t, lp in top]))
+            found.append((tid, finite(lps.get(tid)), [(t, finite(lp)) for t, lp in top]))
     return found
 
 
-def token_logprobs(outs: Iterable[RequestOutput], k: int, text: Callable[[int], str]
-                   ) -> list[dict]:
+def token_logprobs(outs: Iterable[RequestOutput], k: int, names: TokenNames) -> list[dict]:
     """Chat completions' ``logprobs.content`` and the Responses API's ``logprobs``."""
-    return [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-             "top_logprobs": [{"token": u, "logprob": v, "bytes": list(u.encode())}
-                              for u, v in top]}
-            for t, lp, top in entries(outs, k, text)]
+    def one(tid: int, lp: float) -> dict:
+        return {"token": names.text(tid), "logprob": lp, "bytes": names.bytes(tid)}
+
+    return [{**one(t, lp), "top_logprobs": [one(u, v) for u, v in top]}
+            for t, lp, top in entries(outs, k)]

@@ -70,14 +70,15 @@ class ModelCard:
     def names(self) -> list[str]:
         return [self.name, *self.aliases]
 
-    def matches(self, requested: str | None, ollama: bool = False) -> bool:
-        """Whether a request's ``model`` means this model (None = the default)."""
-        if requested is None or requested == "":
+    def matches(self, requested: str | None) -> bool:
+        """Whether a request's ``model`` means this model (None = the default): one of
+        its names, or the name as Ollama lists it (``name:latest``; Ollama also reads
+        ``registry.ollama.ai/library/name:latest``), on every API as Ollama's own /v1
+        takes what its /api/tags lists."""
+        if requested is None or requested == "" or requested in self.names:
             return True
-        if requested in self.names:
-            return True
-        # Ollama clients write name:tag; a bare name means :latest.
-        return ollama and requested.endswith(":latest") and requested[:-7] in self.names
+        name = requested.removeprefix("registry.ollama.ai/").removeprefix("library/")
+        return name.removesuffix(":latest") in self.names
 
     @property
     def digest(self) -> str:

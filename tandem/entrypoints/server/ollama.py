@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timezone
 from typing import TypeVar
 
@@ -33,7 +34,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from tandem import __version__
 from tandem.entrypoints.server import logprobs
 from tandem.entrypoints.server.auth import require_api_key
-from tandem.entrypoints.server.errors import bad_request
+from tandem.entrypoints.server.errors import APIError, bad_request
 from tandem.entrypoints.server.generation import (
     Generation,
     make_sampling_params,
@@ -61,6 +62,8 @@ from tandem.entrypoints.server.structured import (
 from tandem.entrypoints.server.tool_parsers import ToolCall, ToolCallParser, is_json_object
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # The Ollama API level these endpoints follow; clients gate features on it.
 OLLAMA_API_VERSION = "0.6.0"
@@ -135,7 +138,7 @@ async def _named_model(state: ServerState, request: Request, body: type[N]) -> N
     name = req.model or req.name
     if not name:
         raise bad_request("model is required", "model")
-    state.check_model(name, ollama=True)
+    state.check_model(name)
     return req
 
 
@@ -180,6 +183,27 @@ async def pull(request: Request):
     return {"status": "success"}
 
 
+# Ollama's model management and embeddings, which a server of one loaded model
+# does not do: a 501 that says so, not a 404 its clients read as "no such model".
+UNSUPPORTED = {
+    "/api/embed": "embeddings", "/api/embeddings": "embeddings",
+    "/api/create": "creating models", "/api/copy": "copying models",
+    "/api/delete": "deleting models", "/api/push": "pushing models",
+    "/api/blobs/{digest}": "model blobs",
+}
+
+
+async def _unsupported(request: Request) -> None:
+    what = UNSUPPORTED[request.scope["route"].path]
+    raise APIError(501, f"{what} is not supported: this server serves one model, "
+                   f"{_state(request).card.name}, loaded at start-up")
+
+
+for _path in UNSUPPORTED:
+    router.add_api_route(_path, _unsupported, methods=["POST", "DELETE", "HEAD"],
+                         include_in_schema=False)
+
+
 # ------------------------------------------------------------- generation
 @router.post("/api/generate")
 async def generate(request: Request):
@@ -194,6 +218,8 @@ async def generate(request: Request):
     if req.template:
         raise bad_request("a custom template is not supported; send raw=true with a "
                           "formatted prompt")
+    if req.raw and (req.system or req.context):
+        raise bad_request("raw mode does not support template, system, or context")
     if not req.prompt and not req.context:  # Ollama's "load the model" request
         return {"model": model, "created_at": _now(), "response": "", "done": True,
                 "done_reason": "load"}
@@ -229,20 +255,65 @@ async def chat(request: Request):
         msg: dict = {"role": m.role, "content": m.content or ""}
         if m.tool_calls:
             msg["tool_calls"] = [{"type": "function", "function": {
-                "name": c.function.name, "arguments": c.function.arguments}}
-                for c in m.tool_calls]
+                "name": c.function.name, "arguments": c.function.arguments},
+                **({"id": c.id} if c.id else {})} for c in m.tool_calls]
         if m.tool_name is not None:
             msg["name"] = m.tool_name
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         if m.thinking and m.role == "assistant":
             msg["reasoning_content"] = m.thinking  # what thinking models' templates read
         messages.append(msg)
-    messages, tools = template_messages(messages, plan)
     # A last assistant message with text is continued, not answered, as Ollama does.
     last = req.messages[-1]
     go_on = last.role == "assistant" and bool(last.content) and not last.tool_calls
-    ids = await state.chat_ids(messages, not go_on, tools, continue_final=go_on,
-                               template_kwargs=_no_thinking(req))
+    kwargs = _no_thinking(req)
+
+    async def ids_of(kept: list[dict], last_try: bool = False) -> list[int] | None:
+        """The prompt of these messages; None if their text is beyond the bound (the
+        last try: chat_ids's 400 says so)."""
+        templated, tools = template_messages(kept, plan)
+        if not (last_try or state.chat_fits(templated, tools, kwargs)):
+            return None
+        return await state.chat_ids(templated, not go_on, tools, continue_final=go_on,
+                                    template_kwargs=kwargs)
+
+    ids = await _fit_history(state, req, messages, ids_of)
     return await _run(request, state, req, model, ids, t0, constraint, chat=True, plan=plan)
+
+
+async def _fit_history(state: ServerState, req: OllamaChatRequest, messages: list[dict],
+                       ids_of: Callable[..., Awaitable[list[int] | None]]) -> list[int]:
+    """The chat's prompt; a history too long for the window loses its oldest turns,
+    as Ollama's ``truncate`` (on unless the request sends false) does: the system
+    messages and the last message stay, and what is kept starts at a user message
+    (a tool call keeps its result). The prompt leaves the reply num_predict tokens,
+    at most a quarter of the window: a long chat in a chat UI goes on answering
+    instead of failing once it outgrows the window."""
+    ids = await ids_of(messages)
+    window = _window(state, req.options)
+    o = req.options or OllamaOptions()
+    reply = min(o.num_predict if o.num_predict and o.num_predict > 0 else window, window // 4)
+    if req.truncate is False or (ids is not None and len(ids) + reply <= window):
+        return ids if ids is not None else await ids_of(messages, last_try=True)
+    last = len(messages) - 1
+    cuts = [i for i, m in enumerate(messages) if 0 < i < last and m["role"] == "user"] + [last]
+
+    def kept(cut: int) -> list[dict]:
+        return [m for m in messages[:cut] if m["role"] == "system"] + messages[cut:]
+
+    lo, hi, best = 0, len(cuts) - 1, None  # the earliest cut that fits: binary search
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        found = await ids_of(kept(cuts[mid]))
+        if found is not None and len(found) + reply <= window:
+            best, hi = found, mid - 1
+        else:
+            lo = mid + 1
+    if best is not None:
+        return best
+    # Even the last message is too long: chat_ids or _params says so.
+    return await ids_of(kept(last), last_try=True)
 
 
 def _no_thinking(req: OllamaGenerateRequest | OllamaChatRequest) -> dict[str, bool] | None:
@@ -255,7 +326,7 @@ def _check_common(state: ServerState, req: OllamaGenerateRequest | OllamaChatReq
                   ) -> tuple[str, Constraint | None]:
     if not req.model:
         raise bad_request("model is required", "model")
-    state.check_model(req.model, ollama=True)
+    state.check_model(req.model)
     constraint = from_ollama_format(req.format)
     if isinstance(req.think, str):
         raise bad_request(f'think levels ("{req.think}") are not supported; send true or '
@@ -266,17 +337,25 @@ def _check_common(state: ServerState, req: OllamaGenerateRequest | OllamaChatReq
     return req.model, constraint
 
 
+def _window(state: ServerState, opts: OllamaOptions | None) -> int:
+    """The context a request runs in: num_ctx, capped at the server's window (as
+    Ollama caps it at the model's: clients send one num_ctx to every model)."""
+    window = state.card.max_model_len
+    num_ctx = opts.num_ctx if opts else None
+    if num_ctx is None:
+        return window
+    if num_ctx < 1:
+        raise bad_request(f"num_ctx must be positive, got {num_ctx}")
+    if num_ctx > window:
+        logger.info("num_ctx %d capped at this server's context window of %d tokens",
+                    num_ctx, window)
+    return min(num_ctx, window)
+
+
 def _params(state: ServerState, opts: OllamaOptions | None, prompt_len: int,
             logprobs: int | None, constraint: Constraint | None) -> SamplingParams:
     o = opts or OllamaOptions()
-    window = state.card.max_model_len
-    if o.num_ctx is not None:
-        if o.num_ctx > window:
-            raise bad_request(f"num_ctx {o.num_ctx} exceeds this server's context window of "
-                              f"{window} tokens (--max-model-len); it is not silently capped")
-        if o.num_ctx < 1:
-            raise bad_request(f"num_ctx must be positive, got {o.num_ctx}")
-        window = o.num_ctx
+    window = _window(state, o)
     max_tokens = o.num_predict
     if max_tokens is None:
         max_tokens = open_ended_max_tokens(state, prompt_len, window)
@@ -287,16 +366,17 @@ def _params(state: ServerState, opts: OllamaOptions | None, prompt_len: int,
     elif max_tokens == 0:
         raise bad_request("num_predict must be -1, -2 or positive, got 0")
     # Checked here, in Ollama's names (the engine's own message speaks of max_tokens).
-    want = max_tokens if max_tokens is not None else 1
-    if prompt_len + want > window:
-        asked = f" plus num_predict ({want})" if o.num_predict and o.num_predict > 0 else ""
-        if o.num_ctx is not None:
-            raise bad_request(f"the prompt ({prompt_len} tokens){asked} exceeds num_ctx "
+    if prompt_len >= window:
+        if o.num_ctx is not None and o.num_ctx < state.card.max_model_len:
+            raise bad_request(f"the prompt ({prompt_len} tokens) leaves no room in num_ctx "
                               f"({window}); shorten the prompt or raise num_ctx")
-        raise bad_request(f"the prompt ({prompt_len} tokens){asked} exceeds this server's "
-                          f"context window of {window} tokens (--max-model-len); shorten the "
-                          "prompt" + (" or lower num_predict" if asked else ""))
-    if o.num_ctx is not None and max_tokens is None:
+        raise bad_request(f"the prompt ({prompt_len} tokens) leaves no room in this server's "
+                          f"context window of {window} tokens (--max-model-len); shorten "
+                          "the prompt")
+    # num_predict is a bound, as in Ollama: the reply ends ("length") where the window does.
+    if max_tokens is not None:
+        max_tokens = min(max_tokens, window - prompt_len)
+    elif o.num_ctx is not None:
         max_tokens = window - prompt_len
     return make_sampling_params(
         state, max_tokens, temperature=o.temperature, top_k=o.top_k, top_p=o.top_p,
@@ -338,7 +418,7 @@ class _View:
         self.gen = gen
         self.t0 = t0
         self.chat = chat
-        self._text = logprobs.token_text(state.engine.tokenizer)
+        self._names = logprobs.TokenNames(state.engine.tokenizer)
         self.parser = parser
         self.reasoner = reasoner
         self._sent_calls = 0  # tool calls already streamed
@@ -350,10 +430,12 @@ class _View:
             obj["message"] = {"role": "assistant", "content": text}
             if thinking:  # omitted when empty, as Ollama's omitempty
                 obj["message"]["thinking"] = thinking
-            if calls:
+            if calls:  # index: the call's place in the whole reply (a stream sends a few)
+                index = {c.id: i for i, c in enumerate(self.parser.calls)} if self.parser else {}
                 obj["message"]["tool_calls"] = [
-                    {"function": {"name": c.name, "arguments": json.loads(c.arguments)}}
-                    for c in calls]
+                    {"id": c.id, "function": {"index": index.get(c.id, i), "name": c.name,
+                                              "arguments": json.loads(c.arguments)}}
+                    for i, c in enumerate(calls)]
         else:
             obj["response"] = text
             if thinking:
@@ -380,9 +462,10 @@ class _View:
 
     def _logprobs(self, outs: list[RequestOutput]) -> list[dict]:
         k = self.gen.choices[0].params.logprobs or 0
-        return [{"token": t, "logprob": lp,
-                 "top_logprobs": [{"token": u, "logprob": v} for u, v in top]}
-                for t, lp, top in logprobs.entries(outs, k, self._text)]
+        text = self._names.text
+        return [{"token": text(t), "logprob": lp,
+                 "top_logprobs": [{"token": text(u), "logprob": v} for u, v in top]}
+                for t, lp, top in logprobs.entries(outs, k)]
 
     def whole(self, outs: list[RequestOutput]) -> dict:
         final = outs[-1]

@@ -350,7 +350,7 @@ class _View:
                  return_token_ids: bool, plan: ToolPlan | None = None,
                  reasoners: list[ReasoningParser | None] | None = None) -> None:
         self.state = state
-        self._token_text = logprobs.token_text(state.engine.tokenizer)
+        self._names = logprobs.TokenNames(state.engine.tokenizer)
         self.model = model
         self.gen = gen
         self.n = n  # choices per prompt
@@ -394,17 +394,18 @@ class _View:
 
     def _completion_logprobs(self, index: int, outs: list[RequestOutput], k: int) -> dict:
         tokens, token_lps, tops, offsets = [], [], [], []
-        for text, lp, top in logprobs.entries(outs, k, self._token_text, with_sampled=True):
-            tokens.append(text)
+        text = self._names.text
+        for tid, lp, top in logprobs.entries(outs, k, with_sampled=True):
+            tokens.append(text(tid))
             token_lps.append(lp)
-            tops.append(dict(top))
+            tops.append({text(t): v for t, v in top})
             offsets.append(self._offsets[index])
-            self._offsets[index] += len(text)
+            self._offsets[index] += len(tokens[-1])
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                 "text_offset": offsets}
 
     def _chat_logprobs(self, outs: list[RequestOutput], k: int) -> dict:
-        return {"content": logprobs.token_logprobs(outs, k, self._token_text)}
+        return {"content": logprobs.token_logprobs(outs, k, self._names)}
 
     def _header(self, obj: str) -> dict:
         return {"id": self.gen.request_id, "object": obj, "created": self.created,
@@ -445,18 +446,20 @@ class _View:
 
     async def _chunks(
         self, obj: str, include_usage: bool,
-        body: Callable[[int, RequestOutput, bool], dict],
+        body: Callable[[int, RequestOutput, bool], dict | None],
     ) -> AsyncIterator[dict]:
         """The streaming loop both endpoints share; body(index, out, first) gives the
-        choice's text or delta and logprobs."""
+        choice's text or delta and logprobs, or None: this output sends no chunk."""
         started: set[int] = set()
         left = len(self.gen.choices)
         async for index, out in self.gen:
-            first = index not in started
+            part = body(index, out, index not in started)
+            if part is None:
+                continue
             started.add(index)
             choice = {"index": index,
                       "finish_reason": out.finish_reason if out.finished else None}
-            choice.update(body(index, out, first))
+            choice.update(part)
             if out.finished:
                 choice["stop_reason"] = out.outputs[0].stop_reason
                 left -= 1
@@ -518,7 +521,7 @@ class _View:
         return resp
 
     def chat_chunks(self, include_usage: bool) -> AsyncIterator[dict]:
-        def body(index: int, out: RequestOutput, first: bool) -> dict:
+        def body(index: int, out: RequestOutput, first: bool) -> dict | None:
             # The role travels with the first token, so client-side TTFT is honest.
             delta = {"role": "assistant"} if first else {}
             text, reasoning = out.delta_text, ""
@@ -535,6 +538,11 @@ class _View:
             parser = self._parsers[index]
             if parser is not None:
                 deltas = parser.feed(text) + (parser.finish() if out.finished else [])
+                if not (deltas or reasoning or first or out.finished or k is not None
+                        or self.return_token_ids):
+                    # A token the parser holds (a forced call's scaffolding, a tag's
+                    # start) sends nothing, as in vLLM: no empty content deltas.
+                    return None
                 delta["content"] = "".join(d.content for d in deltas)
                 calls = tool_call_deltas(deltas)
                 if calls:

@@ -53,8 +53,10 @@ def _number(value: Any) -> Any:
     return value
 
 
-# An Ollama option's integer: 100 or 100.0, not true or "100" (a fraction stays a 400).
-_OptionInt = Annotated[int, BeforeValidator(_number), Field(strict=False)]
+# An Ollama option's integer: 100 or 100.0, not true or "100" (a fraction stays a 400);
+# a Go int64, as Ollama decodes it.
+_OptionInt = Annotated[int, BeforeValidator(_number),
+                       Field(strict=False, ge=-(2**63), le=2**63 - 1)]
 
 
 B = TypeVar("B", bound=_Body)
@@ -281,6 +283,8 @@ class ResponsesRequest(_Body):
     stream: bool = False
     store: bool | None = None
     previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    background: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None  # accepted and ignored, as in chat completions
 
@@ -329,6 +333,7 @@ class OllamaFunctionCall(_Body):
 
 
 class OllamaToolCall(_Body):
+    id: str | None = None
     function: OllamaFunctionCall
 
 
@@ -338,12 +343,14 @@ class OllamaMessage(_Body):
     images: list[Any] | None = None
     tool_calls: list[OllamaToolCall] | None = None
     tool_name: str | None = None  # a tool result: the tool that produced it
+    tool_call_id: str | None = None  # a tool result: the call it answers
     thinking: str | None = None  # an assistant turn's thinking, as /api/chat returned it
 
 
 class OllamaChatRequest(_OllamaBody):
     messages: list[OllamaMessage] = Field(default_factory=list)
     tools: list[ChatTool] | None = None
+    truncate: bool | None = None  # a history beyond the window loses its oldest turns
 
 
 class OllamaPullRequest(_Body):

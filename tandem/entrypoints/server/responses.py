@@ -1,12 +1,13 @@
 """OpenAI's Responses API, stateless (as Ollama serves it): POST /v1/responses.
 
 Nothing is stored: every turn travels in ``input`` (messages, the model's
-``function_call`` items and the caller's ``function_call_output`` items;
-a ``reasoning`` item reaches the template as the next assistant turn's
-``reasoning_content``), so ``previous_response_id`` is refused and ``store`` is only ever
-false. The request becomes a chat (instructions as the system message), runs
-through the same tools, grammar and parsers as /v1/chat/completions, and comes
-back as ``output`` items: a ``reasoning`` item with the model's thinking (see
+``function_call`` items and the caller's ``function_call_output`` items; a
+``reasoning`` item reaches the template as the next assistant turn's
+``reasoning_content``), so ``previous_response_id`` and ``conversation`` are
+refused, and ``store`` and ``background`` are only ever false. The request
+becomes a chat (instructions as the system message), runs through the same
+tools, grammar and parsers as /v1/chat/completions, and comes back as
+``output`` items: a ``reasoning`` item with the model's thinking (see
 tandem.entrypoints.server.reasoning), a ``message`` with ``output_text`` and a
 ``function_call`` per tool call. Streaming sends the Responses events, each
 with its ``sequence_number``, one text, reasoning or argument delta per
@@ -18,7 +19,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -81,13 +82,16 @@ async def responses(request: Request):
     state: ServerState = request.app.state.tandem
     req = await state.read(request, ResponsesRequest)
     state.check_model(req.model)
-    if req.previous_response_id is not None:
-        raise bad_request("previous_response_id is not supported: this server stores no "
-                          "responses; send the whole conversation in input",
-                          "previous_response_id")
+    for field in ("previous_response_id", "conversation"):
+        if getattr(req, field) is not None:
+            raise bad_request(f"{field} is not supported: this server stores no responses or "
+                              "conversations; send the whole conversation in input", field)
     if req.store:
         raise bad_request("store=true is not supported: this server stores no responses",
                           "store")
+    if req.background:
+        raise bad_request("background=true is not supported: a response runs in its request "
+                          "(stream it to see it as it comes)", "background")
     plan = plan_tools(_chat_tools(req), _chat_tool_choice(req), req.parallel_tool_calls,
                       state.tokenizer.chat_template if req.tools else None, flat=True)
     constraint = one_constraint(from_text_format(req.text.format if req.text else None),
@@ -106,7 +110,7 @@ async def responses(request: Request):
         structured_outputs=constraint.params if constraint else None)
     gen = Generation(state, state.new_id("resp_"), [ids], [params])
     view = _View(req, state.card.name if req.model is None else req.model, gen, plan,
-                 logprobs.token_text(state.engine.tokenizer), reasoner)
+                 logprobs.TokenNames(state.engine.tokenizer), reasoner)
     await start(request, gen, constraint)
     if req.stream:
         return ClosingStreamingResponse(view.events(), gen.close,
@@ -185,13 +189,13 @@ class _View:
     """One generation as a Response object, whole or as its stream of events."""
 
     def __init__(self, req: ResponsesRequest, model: str, gen: Generation,
-                 plan: ToolPlan | None, token_text: Callable[[int], str],
+                 plan: ToolPlan | None, names: logprobs.TokenNames,
                  reasoner: ReasoningParser | None = None) -> None:
         self.req = req
         self.model = model
         self.gen = gen
         self.k = gen.choices[0].params.logprobs  # None: no logprobs asked for
-        self.token_text = token_text
+        self.names = names
         self._logprobs: list[dict[str, Any]] = []  # tokens' not yet sent with text
         self.created = int(time.time())
         self.parser: ToolCallParser | None = plan.parser() if plan else None
@@ -241,7 +245,7 @@ class _View:
 
     # ----------------------------------------------------------------- whole
     def _token_logprobs(self, outs: list[RequestOutput]) -> list[dict[str, Any]]:
-        return [] if self.k is None else logprobs.token_logprobs(outs, self.k, self.token_text)
+        return [] if self.k is None else logprobs.token_logprobs(outs, self.k, self.names)
 
     def whole(self, outs: list[RequestOutput]) -> dict[str, Any]:
         final = outs[-1]

@@ -80,8 +80,8 @@ class ServerState:
         ``prefix`` with its separator, as each API writes its ids (``chatcmpl-``, ``resp_``)."""
         return f"{prefix}{self._salt}{next(self._ids):x}"
 
-    def check_model(self, requested: str | None, ollama: bool = False) -> None:
-        if not self.card.matches(requested, ollama=ollama):
+    def check_model(self, requested: str | None) -> None:
+        if not self.card.matches(requested):
             raise APIError(
                 404, f"The model `{requested}` does not exist; this server serves "
                 f"{', '.join(repr(n) for n in self.card.names)}.",
@@ -139,16 +139,25 @@ class ServerState:
         self._check_text(sum(len(t) for t in texts), param)
         return await self.off_loop(lambda: [tok.encode(t, add_special_tokens) for t in texts])
 
+    def chat_fits(self, messages: list[dict], tools: list[dict] | None = None,
+                  template_kwargs: dict[str, Any] | None = None) -> bool:
+        """Whether chat_ids would template the chat: its text is within the bound."""
+        return self.chat_chars(messages, tools, template_kwargs) <= self.max_text_chars
+
+    @staticmethod
+    def chat_chars(messages: list[dict], tools: list[dict] | None = None,
+                   template_kwargs: dict[str, Any] | None = None) -> int:
+        chars = sum(len(m["content"]) + len(m.get("reasoning_content") or "")
+                    + len(json.dumps(m.get("tool_calls") or "")) for m in messages)
+        return chars + len(json.dumps(tools or "")) + len(json.dumps(template_kwargs or ""))
+
     async def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True,
                        tools: list[dict] | None = None, continue_final: bool = False,
                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Both APIs' chat prompt: bounded (more characters than the context holds are
         refused first), then templated and encoded off the event loop."""
         tok = self.tokenizer
-        chars = sum(len(m["content"]) + len(m.get("reasoning_content") or "")
-                    + len(json.dumps(m.get("tool_calls") or "")) for m in messages)
-        extra = len(json.dumps(tools or "")) + len(json.dumps(template_kwargs or ""))
-        self._check_text(chars + extra, "messages")
+        self._check_text(self.chat_chars(messages, tools, template_kwargs), "messages")
         try:
             check_template_kwargs(template_kwargs)
         except ValueError as e:

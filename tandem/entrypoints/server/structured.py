@@ -112,10 +112,11 @@ def from_structured_outputs(so: StructuredOutputsBody | None) -> Constraint | No
 
 
 def from_ollama_format(fmt: str | dict[str, Any] | None) -> Constraint | None:
-    """Ollama's format: "json" (any JSON object) or a JSON schema."""
+    """Ollama's format: "json" (any JSON object) or a JSON schema ({}, which Ollama
+    passes on as a schema that takes anything, as "json")."""
     if fmt in (None, ""):
         return None
-    if fmt == "json":
+    if fmt == "json" or fmt == {}:
         return _constraint("format", json_object=True)
     if isinstance(fmt, str):
         raise bad_request(f'format must be "json" or a JSON schema, got {fmt!r}', "format")
@@ -264,7 +265,10 @@ def template_messages(messages: list[dict[str, Any]], plan: ToolPlan | None
 
 
 def json_arguments(text: str, param: str) -> dict:
-    """A tool call's arguments string as the object chat templates render."""
+    """A tool call's arguments string as the object chat templates render; an
+    empty one (a call cut off before its arguments) as {}, as vLLM reads it."""
+    if not text.strip():
+        return {}
     try:
         value = json.loads(text)
     except ValueError as e:

@@ -312,9 +312,11 @@ class ToolCallParser:
         if self._scan is not None and self._held_calls:  # a call the output never closed
             out.append(Delta(content=self._region))
             self._scan = None
-        if self._held:
+        # After a call, what is held is the call's closing tag (cut short) or
+        # the space before it: markup, not content.
+        if self._held and not self._after_call:
             out.append(Delta(content=self._held))
-            self._held = ""
+        self._held = ""
         if self.mode == "arguments":
             self.calls[0].complete = True
         return self._sent(out)
@@ -333,7 +335,8 @@ class ToolCallParser:
                 continue
             if self._after_call:  # skip to the closing tag (or give up on it)
                 stripped = buf.lstrip()
-                if not stripped:
+                if not stripped:  # held: content if no closing tag follows
+                    self._held = buf
                     return
                 if TOOL_CALL_CLOSE.startswith(stripped[:len(TOOL_CALL_CLOSE)]):
                     if len(stripped) < len(TOOL_CALL_CLOSE):
