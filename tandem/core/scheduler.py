@@ -72,6 +72,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Requests left waiting at the last step because the KV pool could not
+        # take them (a failed allocation or a preemption), not for the step's
+        # token budget: what the server's admission counts as no free slot.
+        self.num_waiting_for_kv = 0
         # Cumulative, for a live view of step composition (two adds per step).
         self.num_scheduled_tokens = 0
         self.num_prefill_tokens = 0
@@ -135,6 +139,7 @@ class Scheduler:
         # 2. Waiting requests: those with a share first, then FCFS; none if this
         # step had to preempt.
         first = [] if shares is None else [r for r in self.waiting if shares.get(r.request_id)]
+        kv_full = bool(out.preempted)
         while (
             not out.preempted
             and self.waiting
@@ -152,6 +157,7 @@ class Scheduler:
                     break
                 n = most
             if not kv.allocate_slots(req, n, hits, reserve_blocks=len(self.running)):
+                kv_full = True
                 break
             self.waiting.remove(req)
             kv.prefix_cache_queries += req.num_tokens
@@ -167,6 +173,7 @@ class Scheduler:
             out.num_scheduled_tokens.append(n)
             budget -= n
             prefill -= n
+        self.num_waiting_for_kv = len(self.waiting) if kv_full else 0
         if shares is not None and min(budget, prefill) > 0:
             # A queued request with a share was not admitted (blocks, a preemption):
             # the running prompts take its tokens back.

@@ -157,6 +157,7 @@ class AsyncEngine:
         sched, kv = e.scheduler, e.kv_manager
         return EngineStats(
             num_running=sched.num_running, num_waiting=sched.num_waiting,
+            num_waiting_for_kv=sched.num_waiting_for_kv,
             num_pending=self.num_pending, kv_cache_usage=kv.usage,
             num_preemptions=sched.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,

@@ -72,7 +72,8 @@ class EngineStats:
     """The engine's gauges and cumulative counters at one moment."""
 
     num_running: int
-    num_waiting: int  # admitted by the engine, waiting for a slot or blocks
+    num_waiting: int  # admitted by the engine, waiting for a slot, blocks or the token budget
+    num_waiting_for_kv: int  # of those, what the KV pool could not take at the last step
     num_pending: int  # handed over, not yet seen by the engine loop
     kv_cache_usage: float  # 0..1
     num_preemptions: int

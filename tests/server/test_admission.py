@@ -154,14 +154,14 @@ def test_engine_failure_mid_stream_is_an_error_event(start_server, tiny_config_p
 
 class _FakeEngine:
     """Just what Admission reads of the engine client: max_num_seqs and the
-    running / waiting counts of stats()."""
+    running / waiting for the KV pool counts of stats()."""
 
     def __init__(self, max_num_seqs: int) -> None:
         self.model_info = SimpleNamespace(max_num_seqs=max_num_seqs)
         self.counts = (0, 0)
 
     def stats(self) -> SimpleNamespace:
-        return SimpleNamespace(num_running=self.counts[0], num_waiting=self.counts[1])
+        return SimpleNamespace(num_running=self.counts[0], num_waiting_for_kv=self.counts[1])
 
 
 def test_admission_bound_follows_the_engine_limit():
@@ -176,13 +176,19 @@ def test_admission_bound_follows_the_engine_limit():
     adm.acquire(1)
     # The KV pool, not max_num_seqs, is the limit: 2 run, the engine holds the rest back.
     adm.release(6)
-    eng.counts = (2, 1)  # running, waiting
+    eng.counts = (2, 1)  # running, waiting for KV blocks
     adm.acquire(3)  # 2 running + 1 waiting
     adm.acquire(1)  # 2 waiting
     with pytest.raises(APIError):
         adm.acquire(1)
+    # Requests the engine holds back for its token budget alone (long prompts, a
+    # chunk a step) have their slots: 2 running, the rest of the 4 prefill soon.
+    eng.counts = (2, 0)
+    adm.acquire(2)  # 4 slots + 2 waiting
+    with pytest.raises(APIError):
+        adm.acquire(1)
     # An idle server takes any request, even one with n above every bound.
-    adm.release(4)
+    adm.release(6)
     eng.counts = (0, 0)
     adm.acquire(10)
     assert adm.in_flight == 10

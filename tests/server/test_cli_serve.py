@@ -101,9 +101,18 @@ def test_serve_rejects_bad_flags_before_loading(capsys):
     for flags, words in ((["--max-queue", "-1"], "--max-queue must be >= 0"),
                          (["--generation-config", "greedy"], "--generation-config must be"),
                          (["--override-generation-config", '{"top_p": 2}'], "top_p must be"),
-                         (["--threads", "0"], "--threads must be >= 1")):
+                         (["--threads", "0"], "--threads must be >= 1"),
+                         (["--api-key", ""], "--api-key is empty"),
+                         (["--served-model-name", "a", " "], "must not be empty")):
         assert main(["serve", *flags]) == 2
         assert words in capsys.readouterr().err
+    with socket.socket() as taken:  # a port in use: said at once, not after the load
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        t0 = time.monotonic()
+        assert main(["serve", "--port", str(taken.getsockname()[1])]) == 2
+        assert time.monotonic() - t0 < 5
+        assert "cannot listen on 127.0.0.1 port" in capsys.readouterr().err
 
 
 def test_an_exit_signal_ends_running_requests_in_their_api_error(tmp_path):

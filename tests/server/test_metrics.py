@@ -122,7 +122,8 @@ def test_stats_line(server):
 
 def test_stats_line_counts_a_prompt_while_it_prefills():
     """A long prompt's chunks show as prompt throughput as they run, not only once it is done."""
-    base = dict(num_running=1, num_waiting=0, num_pending=0, kv_cache_usage=0.5,
+    base = dict(num_running=1, num_waiting=0, num_waiting_for_kv=0, num_pending=0,
+                kv_cache_usage=0.5,
                 num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0,
                 prompt_tokens_total=0, generation_tokens_total=0, num_threads=2,
                 num_kv_blocks=64, num_steps=0, scheduled_tokens_total=0,

@@ -154,3 +154,18 @@ def test_a_short_prompt_is_admitted_past_a_long_one_queued_ahead_of_it():
         assert ids[1] == "long1" and out.num_scheduled_tokens[1] >= 4
     # Once long1 is done, long2 is the oldest prompt: admitted with half, despite the shorts.
     assert out.num_scheduled_tokens[ids.index("long2")] == 4
+
+
+def test_waiting_for_kv_counts_only_what_the_pool_could_not_take():
+    """Requests held back by the token budget are not waiting for blocks (the server's
+    admission gives them their slots); ones the pool could not take are."""
+    sched = scheduler(budget=8, prompt_cap=None)
+    for i in range(3):
+        sched.add_request(Request(f"p{i}", list(range(1, 41)), SamplingParams(max_tokens=1), 1))
+    sched.schedule(0.0)
+    assert sched.num_waiting == 2 and sched.num_waiting_for_kv == 0
+    full = Scheduler(KVCacheManager(4, 4, False), max_num_seqs=8, max_num_batched_tokens=64)
+    for i in range(3):  # 8 tokens = 2 of the 4 blocks each (one kept spare per runner)
+        full.add_request(Request(f"q{i}", list(range(1, 9)), SamplingParams(max_tokens=1), 1))
+    full.schedule(0.0)
+    assert full.num_running == 1 and full.num_waiting_for_kv == full.num_waiting == 2

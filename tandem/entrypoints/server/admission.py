@@ -12,9 +12,12 @@ burst cannot slip past the bound between two engine steps:
     waiting = in_flight - capacity
 
 ``in_flight`` is every engine request this server has accepted and not seen
-finish. ``capacity`` is ``max_num_seqs``, except when the engine itself has
-requests waiting while fewer than ``max_num_seqs`` run: then the KV pool (or
-the token budget) is the limit and the capacity is what runs now.
+finish. ``capacity`` is ``max_num_seqs``, except when the KV pool could not
+take the engine's waiting requests while fewer than ``max_num_seqs`` run: then
+the pool is the limit and the capacity is what runs now. Requests the engine
+holds back only for the step's token budget (long prompts prefill a chunk a
+step) have their slots: counting them as queued turned clients away with 4 of
+8 slots and queue places in use.
 """
 
 from __future__ import annotations
@@ -41,9 +44,8 @@ class Admission:
     @property
     def capacity(self) -> int:
         stats = self.engine.stats()
-        running, waiting = stats.num_running, stats.num_waiting
-        if waiting > 0 and running < self.max_num_seqs:
-            return running
+        if stats.num_waiting_for_kv > 0 and stats.num_running < self.max_num_seqs:
+            return stats.num_running
         return self.max_num_seqs
 
     @property

@@ -12,6 +12,7 @@ import contextlib
 import gc
 import logging
 import os
+import socket
 import threading
 import time
 import traceback
@@ -317,6 +318,11 @@ def serve(args, load: Loader) -> int:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.stats_interval <= 0:
         raise ValueError(f"--stats-interval must be positive, got {args.stats_interval}")
+    # An empty key would leave the APIs open ("--api-key $KEY" with KEY unset).
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty: give a key, or leave the flag out for no key")
+    if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
+        raise ValueError("--served-model-name: a name must not be empty")
     dashboard_config = dashboard.config_from_args(args)
     generation_config = defaults.check_mode(args.generation_config)
     override = defaults.parse_override(args.override_generation_config)
@@ -333,6 +339,25 @@ def serve(args, load: Loader) -> int:
         generation_config=generation_config, override_generation_config=override,
         reasoning_parser=args.reasoning_parser, dashboard=dashboard_config,
     ), host=args.host, port=args.port, access_log=args.access_log)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound: an address that is taken or not this machine's
+    is a ValueError (one CLI line) before a model loads, not uvicorn's log line
+    after it."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host} port {port}: {e.strerror}") from None
+    return sock
 
 
 def _drain(state: ServerState) -> None:
@@ -367,6 +392,7 @@ def run_server(load: Loader, config: ServerConfig, host: str, port: int,
     """
     import uvicorn
 
+    sock = _listen(host, port)  # before the load: a port in use says so at once
     failure: list[BaseException] = []
 
     def load_or_stop() -> EngineClient:
@@ -399,7 +425,7 @@ def run_server(load: Loader, config: ServerConfig, host: str, port: int,
     logger.info("loading the model: until it is ready, requests get 503 \"Loading model\"")
     interrupted = False
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises a caught SIGINT once it has shut down
         interrupted = True
     finally:

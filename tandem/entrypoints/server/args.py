@@ -15,7 +15,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="port for both APIs (default 8000)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in 'model' (default: the model file's name)")
-    g.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
+    g.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on the API routes "
                         "(default: $TANDEM_API_KEY, else none)")
     g.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
