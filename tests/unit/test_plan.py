@@ -286,8 +286,15 @@ def test_scenario_cpu_vps_8gb() -> None:
     assert p.reserve_bytes == ar.DEFAULT_CPU_RESERVE and p.gpu_memory_utilization == 1.0
     assert p.fits and p.max_num_seqs >= 2
     assert "--gpu-memory-utilization" not in " ".join(p.flags["tandem"])
-    # On CPU tandem's pool is --kv-cache-memory bytes: the flag carries the planned cache.
-    assert f"--kv-cache-memory {int(p.cache_bytes // 2**20)}MiB" in p.flags["tandem"]
+    # On CPU tandem's pool is --kv-cache-memory bytes, committed at start-up: the flag
+    # carries what the planned streams hold (and a quarter more), not every free byte.
+    pool = cap.cpu_kv_pool_bytes(p)
+    assert f"--kv-cache-memory {pool // 2**20}MiB" in p.flags["tandem"]
+    need = p.max_num_seqs * p.kv_blocks_per_conversation * p.cache_bytes / p.cache_blocks
+    assert need <= pool <= min(p.cache_bytes, 1.25 * need + 2**20)
+    one = cap.plan(load_model("qwen2.5-1.5b"), Device("big", "24 GB box", "cpu", int(24e9),
+                                                      20e9), dtype="int8", streams=1)
+    assert cap.cpu_kv_pool_bytes(one) < one.cache_bytes / 10  # not 20 GB for one stream
     assert any("slower than people read" in w for w in p.warnings)
     big = cap.plan(load_model("llama-3.1-8b"), vps, users=10)
     assert not big.fits and big.max_num_seqs == 0 and big.flags == {}

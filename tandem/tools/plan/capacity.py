@@ -419,6 +419,21 @@ def _formulas(p: Plan) -> None:
         )
 
 
+# The CPU pool beyond what the planned streams hold at full context: room for
+# the prefix cache to keep finished conversations' blocks.
+CPU_POOL_HEADROOM = 1.25
+
+
+def cpu_kv_pool_bytes(p: Plan) -> int:
+    """--kv-cache-memory on a CPU: the blocks the planned streams hold at full context,
+    a quarter more, at most what is free. The engine commits its pool at start-up,
+    so every free byte (22 GB for one stream of a 135M model) would be held for
+    nothing; a bigger load is a new plan."""
+    block_bytes = p.cache_bytes / max(p.cache_blocks, 1)
+    need = p.max_num_seqs * p.kv_blocks_per_conversation * block_bytes * CPU_POOL_HEADROOM
+    return int(min(p.cache_bytes, math.ceil(need / MiB) * MiB))
+
+
 def _flags(p: Plan) -> None:
     if p.max_num_seqs < 1:
         return  # nothing fits: the warnings say what to cut, no flags would work
@@ -434,7 +449,7 @@ def _flags(p: Plan) -> None:
     if p.device.kind == "gpu":
         tandem.append(f"--gpu-memory-utilization {p.gpu_memory_utilization:g}")
     else:  # on CPU tandem's pool is exactly this many bytes (default 2 GiB), not "what is free"
-        tandem.append(f"--kv-cache-memory {int(p.cache_bytes // MiB)}MiB")
+        tandem.append(f"--kv-cache-memory {cpu_kv_pool_bytes(p) // MiB}MiB")
     if kv8:  # tandem's only 8-bit cache is int8, whichever 8-bit format was planned
         tandem.append("--kv-cache-dtype int8")
     if quant:
