@@ -225,8 +225,9 @@ def test_truncated_gguf_is_rejected(tmp_path, keep):
     with pytest.raises(ValueError, match="is not a valid GGUF file") as e:
         tg.gguf_to_hf_dir(bad, cache_root=tmp_path / "cache")
     assert not [p for p in (tmp_path / "cache" / "gguf").iterdir() if p.is_dir()]
-    if keep == 0.5:  # cut in the tensors: the message says why, not only numpy's complaint
-        assert "a truncated download?" in str(e.value)
+    # Cut in the tensors or in the header: the message says why, not numpy's complaint.
+    assert "a truncated download?" in str(e.value)
+    assert not any(w in str(e.value) for w in ("reshape", "out of bounds", "dtype"))
 
 
 @pytest.mark.parametrize("content", [b"", b"GGUF", np.random.default_rng(0).bytes(4096)])
