@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tandem.model.gguf_meta import read_gguf_header, window_fields
+from tandem.model.gguf_meta import window_fields
 
 # Bump when the produced directory changes (names, config keys, files): old
 # cache entries then miss instead of being served in a stale layout.
@@ -284,17 +284,13 @@ def _open_reader(src: Path):
     try:
         reader = GGUFReader(src, "r")
     except Exception as e:  # the reader raises ValueError/IndexError/struct.error/...
-        # numpy's words ("cannot reshape array of size ...", "index 0 is out of
-        # bounds") say nothing of why; the header walk names a header cut short.
-        try:
-            read_gguf_header(str(src))
-        except (ValueError, OSError) as walked:
-            if "truncated" in str(walked):
-                raise ValueError(f"{src} is not a valid GGUF file: its header is cut short "
-                                 "(a truncated download?)") from e
-        if "reshape" in str(e) or isinstance(e, (IndexError, struct.error)):
-            raise ValueError(f"{src} is not a valid GGUF file: it ends before its tensors "
-                             "do (a truncated download?)") from e
+        # A file cut short fails in the reader's numpy views of its header or its
+        # last tensors: "cannot reshape array of size ...", "When changing to a
+        # larger dtype ...", "index 0 is out of bounds" say nothing of why.
+        if isinstance(e, (IndexError, struct.error)) or any(
+                w in str(e) for w in ("reshape", "larger dtype", "out of bounds")):
+            raise ValueError(f"{src} is not a valid GGUF file: it ends before its header or "
+                             "tensors do (a truncated download?)") from e
         raise ValueError(f"{src} is not a valid GGUF file: {e}") from e
     size = src.stat().st_size
     for t in reader.tensors:
