@@ -93,12 +93,14 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
 
-    def token_bytes(self, tid: int) -> bytes:
+    def token_bytes(self, tid: int, text: str | None = None) -> bytes:
         """The bytes token ``tid`` stands for: its text's UTF-8 where that is whole,
         else (the token holds part of a character: its text is U+FFFD) its vocabulary
         entry's own bytes, byte-level BPE's character per byte or SentencePiece's
-        ``<0xNN>``, so the parts of a character that several tokens share join up."""
-        text = self.decode([tid], skip_special_tokens=False)
+        ``<0xNN>``, so the parts of a character that several tokens share join up.
+        ``text``: the token's decoded text, when the caller has it already."""
+        if text is None:
+            text = self.decode([tid], skip_special_tokens=False)
         piece = self.backend.id_to_token(tid) if "\ufffd" in text else None
         if piece is None:
             return text.encode()

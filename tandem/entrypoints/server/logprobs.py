@@ -38,12 +38,12 @@ class TokenNames:
             return f"token_id:{tid}"
         return self.tok.decode([tid], skip_special_tokens=False)
 
-    def bytes(self, tid: int) -> list[int]:
-        """OpenAI's ``bytes``: the token's own, so the parts of a character that
-        several tokens share join up (its text alone is U+FFFD)."""
+    def bytes(self, tid: int, text: str) -> list[int]:
+        """OpenAI's ``bytes`` of the token whose ``text`` this is: its own, so the parts
+        of a character that several tokens share join up (its text alone is U+FFFD)."""
         if self.tok is None:
-            return list(self.text(tid).encode())
-        return list(self.tok.token_bytes(tid))
+            return list(text.encode())
+        return list(self.tok.token_bytes(tid, text))
 
 
 def finite(x: float | None) -> float:
@@ -67,7 +67,8 @@ def entries(outs: Iterable[RequestOutput], k: int, with_sampled: bool = False) -
 def token_logprobs(outs: Iterable[RequestOutput], k: int, names: TokenNames) -> list[dict]:
     """Chat completions' ``logprobs.content`` and the Responses API's ``logprobs``."""
     def one(tid: int, lp: float) -> dict:
-        return {"token": names.text(tid), "logprob": lp, "bytes": names.bytes(tid)}
+        text = names.text(tid)
+        return {"token": text, "logprob": lp, "bytes": names.bytes(tid, text)}
 
     return [{**one(t, lp), "top_logprobs": [one(u, v) for u, v in top]}
             for t, lp, top in entries(outs, k)]
