@@ -16,7 +16,8 @@
 //
 // VNNI multiplies unsigned by signed bytes: int4 weights are unsigned already;
 // int8 weights are stored + 128 (u8). A group's integer sums start at -offset
-// * sum qx (offset 128 for int8, 8 for Q4_0's int4, 0 with a lo), so the
+// * sum qx (offset 128 for int8, 8 for Q4_0's int4, 0 with a lo: QuantizedRows
+// holds both starts, broadcast from memory), so the
 // float epilogue per group, row and tile is a convert and a multiply-add, plus
 // a multiply with group scales and a second multiply-add with lo. That
 // epilogue is what keeps a batch below VPDPBUSD's peak: dropping the lo term
@@ -130,7 +131,7 @@ constexpr int64_t tile_bytes(int64_t kp) {
 // Four tiles at a time read those at 93.2 and 126.5 (see quant_tiles for why
 // one row takes one tile anyway).
 template <TileFormat F, int MR, int NT>
-inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, const float* xq,
+inline void quant_block(const int8_t* q, const float* xs, const int32_t* start, const float* xq,
                         int64_t kp, int64_t m0, const TileWeight& w, int64_t t0, int64_t nt,
                         const float* bias, bool accumulate, float* out, int64_t os,
                         const uint8_t* pf = nullptr, int64_t pf_group = 0) {
@@ -159,7 +160,13 @@ inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, con
       _mm_prefetch(reinterpret_cast<const char*>(pf + g * pf_group + o), _MM_HINT_T1);
     __m512i acc[MR][NT], acc2 = _mm512_setzero_si512();  // acc2: kSplit's second chain
     for (int i = 0; i < MR; i++) {
-      const __m512i init = _mm512_set1_epi32(-weight_offset<F>() * qs[(m0 + i) * G + g]);
+      // Broadcast from memory: computed here (a multiply, then a broadcast from
+      // a general register, per row and group) it cost ~5% (in one process,
+      // alternated, 2-vCPU Zen 5, medians of 5-9: Q8_0 [2048, 2048] M = 16 / 128
+      // 901 / 1083 -> 964 / 1149 GOPS, Q4_0 1072 / 1150 -> 1029 / 1198; a
+      // DRAM-sized [8192, 2048] x 12 at M = 16: Q8_0 929 -> 977, Q4_0 1124 -> 1237).
+      const __m512i init = weight_offset<F>() ? _mm512_set1_epi32(start[(m0 + i) * G + g])
+                                              : _mm512_setzero_si512();
       for (int j = 0; j < NT; j++) acc[i][j] = init;
     }
     if constexpr (kInt4) {
@@ -241,11 +248,12 @@ inline void quant_block(const int8_t* q, const float* xs, const int32_t* qs, con
 }
 
 // Outputs of tiles [tile0, tile1) (16 each) for M quantized rows q [M, kp]
-// (scales xs, sums qs and their products xq [M, kp / 32]): out[m, n] = y (+ bias[n]) (+ out[m, n]
+// (scales xs, the weight offset's starting sums and xs * sum qx as xq [M, kp / 32]):
+// out[m, n] = y (+ bias[n]) (+ out[m, n]
 // when accumulate). Batches: a tile pair stays in L2 while blocks of 4 rows
 // pass it; one row: one tile after the other.
 template <TileFormat F>
-inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, const float* xq,
+inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* start, const float* xq,
                         int64_t kp, int64_t M, const TileWeight& w, int64_t tile0, int64_t tile1,
                         const float* bias, bool accumulate, float* out, int64_t os) {
   if (M == 1) {
@@ -260,7 +268,7 @@ inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, con
     // a token, Q4_0 24.2-33.0 -> 19.6-30.9, the default model 3.8-5.6 ->
     // 3.1-4.3 (8 pairs each).
     for (int64_t t = tile0; t < tile1; t++)
-      quant_block<F, 1, 1>(q, xs, qs, xq, kp, 0, w, t, 1, bias, accumulate, out, os);
+      quant_block<F, 1, 1>(q, xs, start, xq, kp, 0, w, t, 1, bias, accumulate, out, os);
     return;
   }
   // A batch reads each tile pair from memory in its first row block and from
@@ -284,20 +292,20 @@ inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, con
     int64_t m0 = 0;
     for (; m0 + kInt8RowBlock <= M; m0 += kInt8RowBlock) {
       const auto [p, pg] = pf(m0);
-      quant_block<F, kInt8RowBlock, 2>(q, xs, qs, xq, kp, m0, w, t0, nt, bias, accumulate, out,
+      quant_block<F, kInt8RowBlock, 2>(q, xs, start, xq, kp, m0, w, t0, nt, bias, accumulate, out,
                                        os, p, pg);
     }
     static_assert(kInt8RowBlock == 4, "the tail below covers 1 to 3 rows");
     const auto [p, pg] = pf(m0);
     switch (M - m0) {
       case 3:
-        quant_block<F, 3, 2>(q, xs, qs, xq, kp, m0, w, t0, nt, bias, accumulate, out, os, p, pg);
+        quant_block<F, 3, 2>(q, xs, start, xq, kp, m0, w, t0, nt, bias, accumulate, out, os, p, pg);
         break;
       case 2:
-        quant_block<F, 2, 2>(q, xs, qs, xq, kp, m0, w, t0, nt, bias, accumulate, out, os, p, pg);
+        quant_block<F, 2, 2>(q, xs, start, xq, kp, m0, w, t0, nt, bias, accumulate, out, os, p, pg);
         break;
       case 1:
-        quant_block<F, 1, 2>(q, xs, qs, xq, kp, m0, w, t0, nt, bias, accumulate, out, os, p, pg);
+        quant_block<F, 1, 2>(q, xs, start, xq, kp, m0, w, t0, nt, bias, accumulate, out, os, p, pg);
         break;
       default:
         break;
@@ -308,7 +316,7 @@ inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, con
 #else
 // The same integers without VNNI.
 template <TileFormat F>
-inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, const float* xq,
+inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* start, const float* xq,
                         int64_t kp, int64_t M, const TileWeight& w, int64_t tile0, int64_t tile1,
                         const float* bias, bool accumulate, float* out, int64_t os) {
   constexpr bool kInt4 = F != TileFormat::kInt8;
@@ -340,7 +348,7 @@ inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* qs, con
         for (int64_t j = 0; j < 16; j++) {
           const float gsv = kInt4 ? int4_group(g, 0, j)
                                   : w.gs ? half_to_float(w.gs[(t * G + g) * 16 + j]) : 1.f;
-          facc[j] += static_cast<float>(acc[j] - weight_offset<F>() * qs[mg]) * xs[mg] * gsv;
+          facc[j] += static_cast<float>(acc[j] + (weight_offset<F>() ? start[mg] : 0)) * xs[mg] * gsv;
           if constexpr (F == TileFormat::kInt4)
             facc[j] += xq[mg] * int4_group(g, 32, j);
         }
@@ -396,13 +404,14 @@ inline TileWeight tile_weight(bool int4, const at::Tensor& packed, const at::Ten
           b.numel() ? half_ptr(b) : nullptr, N};
 }
 
-// Rows x [M, K] quantized for the tile kernel: q [M, kp], group scales and sums [M, kp / 32].
+// Rows x [M, K] quantized for the tile kernel: q [M, kp] and, per group [M, kp / 32],
+// its scale and what its integer sums start at for each weight offset.
 struct QuantizedRows {
   int64_t M = 0, kp = 0;
   std::vector<int8_t> q;
   std::vector<float> xs;
-  std::vector<int32_t> qs;
-  // xs * qs, what a group's lo multiplies (int4 with lo): once per row, so the
+  std::vector<int32_t> start128, start8;  // -128 / -8 x the group's sum of q
+  // xs * sum q, what a group's lo multiplies (int4 with lo): once per row, so the
   // kernel broadcasts it from memory instead of converting and multiplying it
   // for every tile pair (int4 with lo at M = 16-64 on a 2-vCPU Zen 4: 610-620
   // -> 618-633 GOPS, A/B in one sitting).
@@ -414,13 +423,19 @@ struct QuantizedRows {
     const int64_t G = kp / kInt8Group;
     q.assign(M * kp, 0);
     xs.resize(M * G);
-    qs.resize(M * G);
+    start128.resize(M * G);
+    start8.resize(M * G);
     xq.resize(M * G);
     auto rows = [&](int64_t b, int64_t e) {
       for (int64_t m = b; m < e; m++) {
         int8_quantize_row(x + m * stride, K, q.data() + m * kp, xs.data() + m * G,
-                          qs.data() + m * G);
-        for (int64_t g = m * G; g < (m + 1) * G; g++) xq[g] = xs[g] * static_cast<float>(qs[g]);
+                          start128.data() + m * G);  // the sums, scaled below
+        for (int64_t g = m * G; g < (m + 1) * G; g++) {
+          const int32_t sum = start128[g];
+          xq[g] = xs[g] * static_cast<float>(sum);
+          start8[g] = -8 * sum;
+          start128[g] = -128 * sum;
+        }
       }
     };
     if (parallel)
@@ -433,8 +448,12 @@ struct QuantizedRows {
   void apply(const TileWeight& w, int64_t tile0, int64_t tile1, const float* bias,
              bool accumulate, float* out, int64_t os) const {
     auto run = [&](auto format) {
-      quant_tiles<decltype(format)::value>(q.data(), xs.data(), qs.data(), xq.data(), kp, M, w,
-                                           tile0, tile1, bias, accumulate, out, os);
+      constexpr TileFormat F = decltype(format)::value;
+      static_assert(weight_offset<TileFormat::kInt8>() == 128 &&
+                    weight_offset<TileFormat::kInt4Offset8>() == 8);
+      const int32_t* start = F == TileFormat::kInt8 ? start128.data() : start8.data();
+      quant_tiles<F>(q.data(), xs.data(), start, xq.data(), kp, M, w, tile0, tile1, bias,
+                     accumulate, out, os);
     };
     switch (w.format) {
       case TileFormat::kInt8:
