@@ -524,6 +524,17 @@ def test_cli_errors_one_line_exit_2(argv: list[str], capsys) -> None:
     assert err.startswith("tandem plan: error: ") and "\n" not in err and "Traceback" not in err
 
 
+def test_cli_names_the_model_error_first(tmp_path, capsys) -> None:
+    """A mistyped model is reported as such, not as a missing device; a file named .gguf
+    that is not one says so (not "not a readable config.json")."""
+    assert main(["no-such-model"]) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
+    junk = tmp_path / "model.gguf"
+    junk.write_bytes(b"<html>404</html>")
+    assert main([str(junk), "--device", "a10g"]) == 2
+    assert "not a GGUF file" in capsys.readouterr().err
+
+
 def test_register_subcommand(capsys) -> None:
     parser = argparse.ArgumentParser(prog="tandem")
     register(parser.add_subparsers(dest="command"))

@@ -199,8 +199,8 @@ def build_plan(args: argparse.Namespace) -> Any:
     gen = _number(args.gen_seconds, "--gen-seconds")
     turn = _number(args.turn_seconds, "--turn-seconds")
     streams = _number(args.streams, "--streams", integer=True)
+    spec = load_model(ref)  # first: a mistyped model is the error to report, before any probe
     device = _device(args)
-    spec = load_model(ref)
     return plan(
         spec, device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, context=context,
         gpu_memory_utilization=util, reserve_bytes=reserve, users=users, gen_seconds=gen,

@@ -522,6 +522,8 @@ def load_model(ref: str) -> ModelSpec:
             magic = f.read(4)
         if magic == b"GGUF":
             return spec_from_gguf(ref)
+        if ref.endswith(".gguf"):
+            raise ValueError(f"{ref}: not a GGUF file (it does not start with b'GGUF')")
         return _load_config(ref, os.path.splitext(os.path.basename(ref))[0])
     looks_like_path = os.sep in ref or ref.endswith((".json", ".gguf"))
     if looks_like_path:
