@@ -163,11 +163,12 @@ class LLMEngine:
         max_len = c.max_model_len or cfg.max_position_embeddings
         # An explicit budget holds for every step (vLLM's semantics); CPU's default
         # follows the model's cost and caps prompt tokens in steps with decodes.
-        budget_tokens, prefill_cap, t1 = c.max_num_batched_tokens, None, 0.0
+        budget_tokens, prefill_cap = c.max_num_batched_tokens, None
+        t1 = per_token = 0.0
         if budget_tokens is None and self.device.type == "cuda":
             budget_tokens = 8192
         elif budget_tokens is None:
-            budget_tokens, prefill_cap, t1 = self._cpu_token_budgets()
+            budget_tokens, prefill_cap, t1, per_token = self._cpu_token_budgets()
         if c.kv_cache_memory is None and self.device.type == "cuda":
             budget = self._cuda_kv_budget(budget_tokens)
         else:
@@ -199,7 +200,7 @@ class LLMEngine:
             prefill_cap,
         )
         self.chunk_tuner = None if prefill_cap is None else ChunkTuner(
-            prefill_cap, t1, budget_tokens)
+            prefill_cap, t1, budget_tokens, per_token)
         self.runner = ModelRunner(self.model, self.kv_caches, c.block_size, self.eos_token_ids,
                                   c.max_num_seqs, max_len, groups)
         self.kv_bytes_per_token = bytes_per_token
@@ -226,10 +227,10 @@ class LLMEngine:
         c = self.config.kv_cache_memory
         return DEFAULT_CPU_KV_BYTES if c is None else int(c)
 
-    def _cpu_token_budgets(self) -> tuple[int, int, float]:
+    def _cpu_token_budgets(self) -> tuple[int, int, float, float]:
         """(max_num_batched_tokens, prompt tokens per step with decodes, a
-        1-token step's seconds) from this model's measured cost on this CPU
-        (cpu_token_budgets)."""
+        1-token step's seconds, a further token's) from this model's measured
+        cost on this CPU (cpu_token_budgets)."""
         def cost(n: int) -> float:
             t0 = time.perf_counter()
             self.score_tokens([0] * n, 1)
@@ -240,7 +241,7 @@ class LLMEngine:
         logger.info("token budget %d per step, %d prompt tokens in steps with decodes (to "
                     "start: tuned while serving): a 1-token step costs %.1f ms, each further "
                     "token %.2f ms", total, with_decodes, t1 * 1e3, per_token * 1e3)
-        return total, with_decodes, t1
+        return total, with_decodes, t1, per_token
 
     def _cuda_kv_budget(self, num_tokens: int) -> int:
         """Bytes left for the KV pool: the utilization target minus everything else.

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from tandem.engine.token_budget import (
     CHUNK_MIN,
     CPU_BUDGET_RANGE,
@@ -112,6 +114,26 @@ def test_decodes_are_priced_by_their_own_count():
     for _ in range(10):  # 16 prompt tokens at 2 ms beside 8 decodes: within the bound
         tuner.observe(0.060 + tuner.cap * 0.002, decodes=8, prompt_tokens=tuner.cap)
     assert tuner.cap >= 50  # 2 x 60 ms / 2 ms = 60 allowed; against 1 decode's 20 ms: 4
+
+
+@pytest.mark.parametrize("timed_alone", [(), (12,), (1,)])
+def test_decodes_never_timed_alone_are_priced_from_the_probe(timed_alone):
+    """Under a steady load of 16 streams a prompt is always waiting: no step runs
+    16 decodes alone. Priced as the probe's 1-token step, the 16 decodes read as
+    the prompt's cost and the cap fell to ~5 tokens; priced from the probe's
+    per-token cost (scaled to a count timed, if any), mixed steps settle near the
+    bound."""
+    def alone(d: int) -> float:  # the one-call decode step: a bit under the probe's price
+        return 0.018 + (d - 1) * 0.002
+    tuner = ChunkTuner(cap=18, decode_s=0.020, most=512, per_token=0.0021)
+    for d in timed_alone:
+        for _ in range(5):
+            tuner.observe(alone(d), decodes=d, prompt_tokens=0)
+    for _ in range(15):  # 16 decodes (on the per-op path: 4 ms more) and a chunk at 2 ms a token
+        step = alone(16) + 0.004 + 0.002 * tuner.cap
+        tuner.observe(step, decodes=16, prompt_tokens=tuner.cap)
+    assert tuner.cap >= 35  # was 5
+    assert 2.5 < step / alone(16) <= ITL_BOUND * 1.1
 
 
 def test_the_tuner_keeps_a_floor_and_leaves_prompt_only_steps_alone():
