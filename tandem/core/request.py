@@ -35,6 +35,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # this request could not go on (``Request.error`` says why); others did
 
     @property
     def finished(self) -> bool:
@@ -45,6 +46,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -118,6 +120,7 @@ class Request:
         # The grammar state of a constrained request (worker/structured_output.py's
         # StructuredOutputRequest, opaque here): it has consumed exactly output_token_ids.
         self.structured_output_request: Any = None
+        self.error: str | None = None  # why it ended FINISHED_ERROR
         self.times = RequestTimes() if arrival_time is None else RequestTimes(arrival=arrival_time)
 
     @property

@@ -30,7 +30,13 @@ import torch
 from tandem.config import EngineConfig
 from tandem.core.output_processor import EngineCoreOutput, process_output
 from tandem.core.request import Request, RequestStatus
-from tandem.engine.client import EngineDeadError, EngineStats, ModelInfo, RequestState
+from tandem.engine.client import (
+    EngineDeadError,
+    EngineStats,
+    ModelInfo,
+    RequestFailedError,
+    RequestState,
+)
 from tandem.engine.llm_engine import LLMEngine
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -212,6 +218,9 @@ class AsyncEngine:
         for queue, core in batch:
             out, stopped_by_string = process_output(core)
             if out is None:  # produced after a stop string ended the request
+                continue
+            if core.status is RequestStatus.FINISHED_ERROR:
+                queue.put_nowait(RequestFailedError(core.request.error))
                 continue
             if stopped_by_string:
                 with self._cond:

@@ -67,6 +67,12 @@ class EngineDeadError(RuntimeError):
     """The engine loop failed; requests in flight at the time were failed with it."""
 
 
+class RequestFailedError(ValueError):
+    """One request could not go on (it finished FINISHED_ERROR: its grammar failed
+    mid-output); the others in its steps were not touched. A ValueError: the
+    request's own input is the cause."""
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """The engine's gauges and cumulative counters at one moment."""

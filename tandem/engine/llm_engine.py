@@ -34,7 +34,7 @@ from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.tokenizer import Tokenizer
 from tandem.worker.model_runner import ModelRunner, allocate_kv_caches
-from tandem.worker.structured_output import StructuredOutputManager
+from tandem.worker.structured_output import GrammarFailedError, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -557,10 +557,17 @@ class LLMEngine:
                 status, text = RequestStatus.FINISHED_STOPPED, False
             elif tok in p.stop_token_ids:
                 status, stop_id, text = RequestStatus.FINISHED_STOPPED, tok, False
-        if grammar is not None and grammar.accept(tok) and status is None:
-            # The grammar is complete (nothing may follow), min_tokens or not; the
-            # token that completed it is text unless it is an EOS the grammar took.
-            status, text = RequestStatus.FINISHED_STOPPED, tok not in self.eos_token_ids
+        if grammar is not None:
+            try:
+                complete = grammar.accept(tok)
+            except GrammarFailedError as e:  # this request ends; the step's others go on
+                logger.warning("req %s: %s", req.request_id, e)
+                req.error, complete = str(e), False
+                status, stop_id, text = RequestStatus.FINISHED_ERROR, None, False
+            if complete and status is None:
+                # The grammar is complete (nothing may follow), min_tokens or not; the
+                # token that completed it is text unless it is an EOS the grammar took.
+                status, text = RequestStatus.FINISHED_STOPPED, tok not in self.eos_token_ids
         if status is None and n_out >= req.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:

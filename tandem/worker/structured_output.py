@@ -114,6 +114,24 @@ def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
     return "grammar", spec.grammar
 
 
+class GrammarFailedError(ValueError):
+    """A request's grammar cannot go on: llguidance hit one of its limits (a
+    lexer's or parser's size, on a valid but pathological schema or regex) or
+    admits no token at all (a schema with no finite instance, e.g. a cycle of
+    $refs). The request's own input is the cause: it alone ends."""
+
+
+def _failure(field: str, matcher) -> str:
+    """The matcher's error, first line only: what follows is its whole state,
+    the grammar included."""
+    first = (matcher.get_error() or "").strip().splitlines()[:1]
+    reason = first[0] if first else "it refused the sampled token"
+    if reason == "NoExtensionBias":  # llguidance's word for an empty mask
+        reason = ("no token can continue the output (does the schema have no finite "
+                  "instance, e.g. a cycle of $refs?)")
+    return f"structured_outputs.{field} failed mid-output: {reason}"
+
+
 class StructuredOutputRequest:
     """One sequence's grammar state: the matcher has consumed its output since the
     grammar began, which is all of it unless a think block came first.
@@ -125,12 +143,13 @@ class StructuredOutputRequest:
     (the first token: the grammar's, or ``<think>``, which starts the block).
     """
 
-    __slots__ = ("matcher", "phase", "pending", "_recent", "_decode", "_open_id")
+    __slots__ = ("matcher", "phase", "pending", "field", "_recent", "_decode", "_open_id")
 
     def __init__(self, matcher, phase: str = "grammar",
                  decode: Callable[[list[int]], str] | None = None,
-                 open_id: int | None = None) -> None:
+                 open_id: int | None = None, field: str = "grammar") -> None:
         self.matcher = matcher  # llguidance.LLMatcher
+        self.field = field  # the spec's field (spec_key), named by a failure
         self.phase = phase
         self.pending = ""
         self._recent: list[int] = []  # the last output tokens, while thinking
@@ -155,9 +174,10 @@ class StructuredOutputRequest:
                 self.pending = THINK_CLOSE[:partial_suffix(text, THINK_CLOSE)]
             return False
         m = self.matcher
-        if not m.consume_token(token_id):
-            # The mask admits only tokens the matcher takes: this is a bug, not input.
-            raise RuntimeError(f"token {token_id} broke the grammar: {m.get_error()}")
+        # An error from the mask's computation left the mask only end-of-text
+        # tokens, which the matcher would take: checked first, or it read as done.
+        if m.is_error() or not m.consume_token(token_id):
+            raise GrammarFailedError(_failure(self.field, m))
         return m.is_stopped()
 
     @property
@@ -203,7 +223,8 @@ class StructuredOutputManager:
                 self._grammars.move_to_end(key)
             phase = self._phase(spec)
             return StructuredOutputRequest(pristine.deep_copy(), phase, self._decode,
-                                           self._open_id if phase == "may_open" else None)
+                                           self._open_id if phase == "may_open" else None,
+                                           key[0])
 
     def _phase(self, spec: StructuredOutputsParams) -> str:
         """The first phase of a request (see StructuredOutputRequest). A first token

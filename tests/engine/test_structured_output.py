@@ -167,6 +167,60 @@ def test_async_engine_compiles_off_the_loop_and_rejects_bad_specs(llm, prompt, m
     assert len(compiled_in) == 2 and threading.main_thread() not in compiled_in  # the loop's
 
 
+# Schemas that compile but whose grammar fails mid-output: llguidance's parser
+# limit (a property that refers to the whole schema), a regex past its lexer's
+# limit, and a cycle of $refs (no finite instance: no token is ever admitted).
+FAILING = [
+    {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+    {"type": "string", "pattern": "^(a{998}){1000}$"},
+    {"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"},
+]
+
+
+@pytest.mark.parametrize("schema", FAILING, ids=["parser-limit", "lexer-limit", "ref-cycle"])
+def test_a_failing_grammar_ends_its_own_request_only(llm, prompt, schema):
+    """Such a request finishes "error" (the failure logged) in its first steps;
+    the unconstrained and constrained requests in the same steps finish as if it
+    had not been there. (A failing grammar raised out of the step: the engine
+    loop failed every request in flight, each told the other's grammar.)"""
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for _ in range(2):  # the second time from the grammar cache
+        outs = llm.generate([prompt] * 3, [
+            plain, SamplingParams(structured_outputs=SO(json=schema), max_tokens=24),
+            json_params(temperature=0)])
+        assert outs[1].outputs[0].finish_reason == "error"
+        assert outs[0].outputs[0].finish_reason == "length"
+        assert len(outs[0].outputs[0].token_ids) == 24
+        assert_valid(outs[2])
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv_manager.usage == 0
+
+
+def test_async_engine_raises_a_failing_grammar_to_its_caller_only(llm, prompt):
+    engine = AsyncEngine(engine=llm.engine)
+
+    async def bad() -> str:
+        with pytest.raises(ValueError, match="failed mid-output") as e:
+            async for _ in engine.generate(prompt, SamplingParams(
+                    structured_outputs=SO(json=FAILING[0]), max_tokens=24)):
+                pass
+        return str(e.value)
+
+    async def good() -> list:
+        return [o async for o in engine.generate(prompt, SamplingParams(
+            temperature=0, max_tokens=16, ignore_eos=True))]
+
+    async def main():
+        return await asyncio.gather(bad(), good())
+
+    try:
+        message, outs = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert outs[-1].outputs[0].finish_reason == "length" and len(outs) == 16
+    assert "<state>" not in message and "$ref" not in message  # no grammar dump
+
+
 def test_no_tokenizer_means_no_constraint(tiny_config_path):
     engine = LLMEngine(EngineConfig(model=tiny_config_path, load_format="dummy",
                                     skip_tokenizer_init=True, kv_cache_memory="1MiB",

@@ -135,6 +135,28 @@ def test_a_bad_constraint_is_a_400_naming_the_field(real_server, body, param, st
     assert err["param"] == param and param.split(".")[0] in err["message"], err
 
 
+def test_a_grammar_failing_mid_output_is_its_own_400(real_server, client):
+    """A property referring to the whole schema compiles, then exceeds llguidance's
+    parser limit at the first token: a 400 naming the field, without the
+    grammar engine's state dump, while a stream beside it goes on to its end
+    (such a request failed every request in flight, telling each its grammar)."""
+    schema = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    stream = client.chat.completions.create(
+        model="smollm2", messages=ASK, max_tokens=24, stream=True, temperature=0,
+        extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    r = httpx.post(f"{real_server.url}/v1/chat/completions", headers=real_server.headers,
+                   json={"messages": ASK, "max_tokens": 8, "response_format": {
+                       "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+                   timeout=60)
+    chunks = [first, *stream]
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format.json_schema.schema"
+    assert "failed mid-output" in err["message"] and "<state>" not in err["message"]
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 @pytest.fixture(scope="module")
 def ollama_client(real_server) -> ollama.Client:
     return ollama.Client(host=real_server.url, headers={"Authorization": f"Bearer {API_KEY}"},

@@ -20,6 +20,7 @@ from tandem.sampling_params import StructuredOutputsParams as SO  # noqa: E402
 from tandem.tokenizer import Tokenizer  # noqa: E402
 from tandem.worker.sampler import Sampler, SamplingMetadata  # noqa: E402
 from tandem.worker.structured_output import (  # noqa: E402
+    GrammarFailedError,
     StructuredOutputManager,
     apply_token_bitmask_,
     spec_key,
@@ -141,8 +142,20 @@ def test_a_batch_without_constrained_rows_has_no_mask(manager):
 
 def test_accepting_a_token_the_mask_bans_is_an_error(manager, tokenizer):
     grammar = manager.new_request(SO(regex="[0-9]+"))
-    with pytest.raises(RuntimeError, match="broke the grammar"):
+    with pytest.raises(GrammarFailedError, match="failed mid-output"):
         grammar.accept(tokenizer.encode("x", add_special_tokens=False)[0])
+
+
+def test_a_grammar_that_admits_nothing_fails_on_its_first_token(manager):
+    """A cycle of $refs compiles, but its mask admits only end-of-text, which the
+    matcher (in error) would take: read as a finished, empty output before."""
+    grammar = manager.new_request(SO(json={
+        "$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"}))
+    rows, words = manager.masks([req(grammar)])
+    assert [t for t in range(V) if int(words[0, t // 32]) >> (t % 32) & 1] == list(EOS)
+    with pytest.raises(GrammarFailedError, match="no token can continue") as e:
+        grammar.accept(EOS[0])
+    assert "<state>" not in str(e.value) and "NoExtensionBias" not in str(e.value)
 
 
 def test_missing_backend_names_the_extra(tokenizer, monkeypatch):
