@@ -99,7 +99,7 @@ CASES = [
     ("/v1/chat/completions", {"messages": CHAT, "stream": 1}, 400, "stream"),
     ("/v1/responses", {"input": "hi", "max_output_tokens": True}, 400, "max_output_tokens"),
     ("/api/generate", {**OLLAMA, "options": {"num_predict": True}}, 400,
-     "options.num_predict: Value error, must be an integer"),
+     "options.num_predict: must be an integer"),
     ("/api/generate", {**OLLAMA, "options": {"num_predict": 2.5}}, 400, "num_predict"),
     ("/api/generate", {**OLLAMA, "stream": "false"}, 400, "stream"),
     # A 400 names the field the client sent.

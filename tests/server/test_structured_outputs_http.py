@@ -96,6 +96,30 @@ def test_vllm_structured_outputs_choice_regex_and_grammar(client):
     assert r.choices[0].text in ("A", "BC")
 
 
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_vllm_older_guided_fields_constrain(real_server, route):
+    """guided_choice / guided_regex / guided_json / guided_grammar, which older
+    vLLM servers took and clients still send, constrain as structured_outputs
+    does (they were ignored: free text an agent took for constrained)."""
+    body = {"messages": ASK} if route == "chat" else {"prompt": "Colour:"}
+    cases = [({"guided_choice": ["red", "blue"]}, lambda t: t in ("red", "blue")),
+             ({"guided_regex": "[0-9]{3}"}, lambda t: re.fullmatch("[0-9]{3}", t)),
+             ({"guided_json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
+             ({"guided_grammar": 'start: "yes" | "no"'}, lambda t: t in ("yes", "no"))]
+    for fields, ok in cases:
+        r = httpx.post(f"{real_server.url}/v1/{route.replace('chat', 'chat/completions')}",
+                       headers=real_server.headers, timeout=60,
+                       json={**body, "max_tokens": 60, "temperature": 1.0, **fields})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        text = choice["message"]["content"] if route == "chat" else choice["text"]
+        assert choice["finish_reason"] == "stop" and ok(text), (fields, text)
+    r = httpx.post(f"{real_server.url}/v1/chat/completions", headers=real_server.headers,
+                   json={"messages": ASK, "guided_choice": ["a"],
+                         "structured_outputs": {"regex": "a"}}, timeout=60)
+    assert r.status_code == 400 and "guided_" in r.json()["error"]["message"]
+
+
 def test_completions_take_response_format(client):
     r = client.completions.create(
         model="smollm2", prompt="A person:", max_tokens=80, seed=4, temperature=1.0,

@@ -74,7 +74,8 @@ def from_validation_error(err: ValidationError) -> APIError:
             continue
         seen.add(field)
         first_param = first_param or field
-        parts.append(f"{field}: {e.get('msg', 'invalid value')}")
+        msg = e.get("msg", "invalid value")  # a validator's ValueError: its own words
+        parts.append(f"{field}: {msg.removeprefix('Value error, ')}")
         if len(parts) == 3:
             break
     return APIError(400, "invalid request: " + "; ".join(parts), param=first_param)

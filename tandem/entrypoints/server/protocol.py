@@ -127,8 +127,28 @@ class ToolCall(_Body):
     function: FunctionCall
 
 
+# vLLM's constraint fields before structured_outputs (older vLLM servers take
+# them; agent frameworks still send them): read as structured_outputs, not
+# ignored, which left an agent with free text it took for constrained.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
 class _OpenAISampling(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions (vLLM's extensions too)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _guided_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not any(
+                data.get(k) is not None for k in GUIDED_FIELDS):
+            return data
+        if data.get("structured_outputs") is not None:
+            raise ValueError("give structured_outputs or vLLM's older guided_* fields, not both")
+        out = {k: v for k, v in data.items() if k not in GUIDED_FIELDS}
+        out["structured_outputs"] = {GUIDED_FIELDS[k]: v for k, v in data.items()
+                                     if k in GUIDED_FIELDS and v is not None}
+        return out
 
     model: str | None = None
     max_tokens: int | None = None
