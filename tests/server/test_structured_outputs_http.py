@@ -104,7 +104,8 @@ def test_vllm_older_guided_fields_constrain(real_server, route):
     body = {"messages": ASK} if route == "chat" else {"prompt": "Colour:"}
     cases = [({"guided_choice": ["red", "blue"]}, lambda t: t in ("red", "blue")),
              ({"guided_regex": "[0-9]{3}"}, lambda t: re.fullmatch("[0-9]{3}", t)),
-             ({"guided_json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
+             ({"guided_json": PERSON},
+              lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
              ({"guided_grammar": 'start: "yes" | "no"'}, lambda t: t in ("yes", "no"))]
     for fields, ok in cases:
         r = httpx.post(f"{real_server.url}/v1/{route.replace('chat', 'chat/completions')}",

@@ -165,7 +165,7 @@ def test_a_template_without_tools_gets_hermes_text():
         {"role": "tool", "content": "one", "tool_call_id": "c1"},
         {"role": "tool", "content": "two", "tool_call_id": "c2"},
     ]
-    out, tools = template_messages(messages, plan)
+    out, tools = template_messages(messages, plan, "{{ messages }}")
     assert tools is None
     assert out[0]["role"] == "system" and out[0]["content"].startswith("Be brief.\n\n# Tools")
     assert json.dumps(plan.tools[0]) in out[0]["content"]
@@ -176,12 +176,34 @@ def test_a_template_without_tools_gets_hermes_text():
                                                    "<tool_response>\ntwo\n</tool_response>"}]
 
 
+def test_calls_in_a_conversation_without_tools_are_rendered_too():
+    """An agent's last turn often offers no tools: the conversation's calls and
+    results still reach a template that knows no tools, as Hermes text (they
+    vanished, and an unknown role "tool" was left); no tools' system prompt."""
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]},
+        {"role": "tool", "content": "RESULT42", "tool_call_id": "c1"},
+    ]
+    out, tools = template_messages(messages, None, "{{ messages }}")
+    assert tools is None and out == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant",
+         "content": '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'},
+        {"role": "user", "content": "<tool_response>\nRESULT42\n</tool_response>"}]
+    plain = [{"role": "user", "content": "hi"}]
+    assert template_messages(plain, None, "{{ messages }}") == (plain, None)
+    native = "{% for t in tools %}{% endfor %}"  # renders calls itself
+    assert template_messages(messages, None, native) == (messages, None)
+
+
 def test_a_template_with_tools_gets_them_as_they_are():
     plan = plan_tools(_tools(), NamedToolChoice.model_validate(
         {"type": "function", "function": {"name": "f"}}), False,
         "{% for t in tools %}{% endfor %}")
     messages = [{"role": "user", "content": "hi"}]
-    out, tools = template_messages(messages, plan)
+    out, tools = template_messages(messages, plan, "{% for t in tools %}{% endfor %}")
     assert out == messages and tools == plan.tools
     assert plan.constraint().params.json == {"type": "object"}
 
@@ -201,7 +223,7 @@ def test_tools_and_calls_reach_a_template_that_renders_them():
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]},
-        {"role": "tool", "content": "done", "tool_call_id": "c1"}], plan)
+        {"role": "tool", "content": "done", "tool_call_id": "c1"}], plan, tok.chat_template)
     text = tok.render_chat(messages, add_generation_prompt=False, tools=tools)
     assert text == '<tools>f</tools>[user]hi[assistant]<tool_call>{"a": 1}</tool_call>[tool]done'
 

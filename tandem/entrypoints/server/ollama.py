@@ -272,7 +272,7 @@ async def chat(request: Request):
     async def ids_of(kept: list[dict], last_try: bool = False) -> list[int] | None:
         """The prompt of these messages; None if their text is beyond the bound (the
         last try: chat_ids's 400 says so)."""
-        templated, tools = template_messages(kept, plan)
+        templated, tools = template_messages(kept, plan, state.tokenizer.chat_template)
         if not (last_try or state.chat_fits(templated, tools, kwargs)):
             return None
         return await state.chat_ids(templated, not go_on, tools, continue_final=go_on,

@@ -279,7 +279,7 @@ async def _chat_ids(state: ServerState, req: ChatCompletionRequest | TokenizeReq
         if thinking and m.role == "assistant":
             msg["reasoning_content"] = thinking  # what thinking models' templates read
         flat.append(msg)
-    flat, tools = template_messages(flat, plan)
+    flat, tools = template_messages(flat, plan, state.tokenizer.chat_template)
     return await state.chat_ids(flat, req.add_generation_prompt, tools,
                                 req.continue_final_message, req.chat_template_kwargs)
 

@@ -96,7 +96,7 @@ async def responses(request: Request):
                       state.tokenizer.chat_template if req.tools else None, flat=True)
     constraint = one_constraint(from_text_format(req.text.format if req.text else None),
                                 plan.constraint() if plan else None)
-    messages, tools = template_messages(_messages(req), plan)
+    messages, tools = template_messages(_messages(req), plan, state.tokenizer.chat_template)
     ids = await state.chat_ids(messages, tools=tools)
     reasoner, constraint = state.reasoning_for(ids, constraint)
     max_tokens = given_max_tokens(req.max_output_tokens, "max_output_tokens")

@@ -225,19 +225,29 @@ def plan_tools(tools: list[ChatTool] | None, tool_choice: str | NamedToolChoice 
         tools=[{"type": "function", "function": t.function.model_dump(exclude_none=True)}
                for t in tools],
         choice=choice, name=name, parallel=parallel,
-        native="tools" in (chat_template or ""), family=template_family(chat_template),
+        native=knows_tools(chat_template), family=template_family(chat_template),
         fields=fields)
 
 
-def template_messages(messages: list[dict[str, Any]], plan: ToolPlan | None
+def knows_tools(chat_template: str | None) -> bool:
+    """Whether a chat template renders tools, calls and results itself."""
+    return "tools" in (chat_template or "")
+
+
+def template_messages(messages: list[dict[str, Any]], plan: ToolPlan | None,
+                      chat_template: str | None
                       ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools) for apply_chat_template.
 
     ``messages`` are HF's shape: content a string, an assistant's ``tool_calls``
     with arguments as objects, tool results with role ``tool``. A template that
-    knows no tools gets Hermes's text for all three instead.
+    knows no tools gets Hermes's text for all three instead, and the tools'
+    system prompt when the request has tools: a conversation's calls and
+    results are rendered whether or not this request offers tools (an agent's
+    last "answer now" turn often does not; the calls vanished from its prompt).
     """
-    if plan is None or plan.native:
+    if knows_tools(chat_template) or (plan is None and not any(
+            m.get("tool_calls") or m["role"] == "tool" for m in messages)):
         return messages, plan.tools if plan else None
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
@@ -256,6 +266,8 @@ def template_messages(messages: list[dict[str, Any]], plan: ToolPlan | None
                 out.append({"role": "user", "content": result})
         else:
             out.append({"role": m["role"], "content": m["content"]})
+    if plan is None:
+        return out, None
     prompt = _hermes_system_prompt(plan.tools)
     if out and out[0]["role"] == "system":
         out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
