@@ -69,8 +69,10 @@ def test_logprobs_whole_and_streamed(client, real_server):
                             "temperature": 0, "max_tokens": 40, "logprobs": True,
                             "top_logprobs": 2}).json()
     want = chat["choices"][0]["logprobs"]["content"]
-    assert [(e.token, round(e.logprob, 4)) for e in lps] == \
-        [(e["token"], round(e["logprob"], 4)) for e in want]
+    assert [e.token for e in lps] == [e["token"] for e in want]
+    # Within float rounding, not to 4 decimals: the second request's prompt is a
+    # prefix-cache hit, computed in another grouping (a 4-decimal round failed 1 run in 4).
+    assert all(abs(e.logprob - w["logprob"]) < 2e-3 for e, w in zip(lps, want))
     with client.responses.stream(**kwargs) as stream:
         deltas = [e for e in stream if e.type == "response.output_text.delta"]
         final = stream.get_final_response()
@@ -117,6 +119,21 @@ def test_function_call_then_its_output(client):
                   "output": '{"temperature": 18}'} for c in calls]])
     assert follow.status in ("completed", "incomplete") and follow.output_text
     assert follow.usage.input_tokens > r.usage.input_tokens
+
+
+def test_function_call_output_as_parts(client):
+    """An output may be a list of input_text parts (OpenAI's SDK types both): the
+    same prompt as their text joined by newlines (it was a 400)."""
+    def sent(output) -> int:
+        return client.responses.create(
+            model="smollm2", max_output_tokens=1, input=[
+                {"role": "user", "content": "Weather in Paris?"},
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                 "arguments": '{"city": "Paris"}'},
+                {"type": "function_call_output", "call_id": "call_1", "output": output}],
+            tools=[WEATHER]).usage.input_tokens
+    assert sent([{"type": "input_text", "text": "sunny"},
+                 {"type": "input_text", "text": "18 C"}]) == sent("sunny\n18 C")
 
 
 def test_stream_function_call_named(client):

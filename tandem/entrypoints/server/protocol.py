@@ -282,7 +282,7 @@ class ResponsesFunctionCallItem(_Body):
 class ResponsesFunctionCallOutputItem(_Body):
     type: Literal["function_call_output"]
     call_id: str
-    output: str
+    output: str | list[ResponsesInputPart]  # OpenAI's SDK types both
 
 
 class ResponsesRequest(_Body):

@@ -44,6 +44,7 @@ from tandem.entrypoints.server.protocol import (
     NamedToolChoice,
     ResponsesFunctionCallItem,
     ResponsesFunctionCallOutputItem,
+    ResponsesInputPart,
     ResponsesMessageItem,
     ResponsesRequest,
 )
@@ -162,10 +163,8 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             err = from_validation_error(e)
             raise bad_request(f"input[{i}]: {err.message}", f"input[{i}].{err.param}") from None
         if isinstance(item, ResponsesMessageItem):
-            text = item.content if isinstance(item.content, str) else \
-                "\n".join(p.text for p in item.content)
             out.append({"role": "system" if item.role == "developer" else item.role,
-                        "content": text})
+                        "content": _text(item.content)})
         elif isinstance(item, ResponsesFunctionCallItem):
             call = {"id": item.call_id, "type": "function", "function": {
                 "name": item.name,
@@ -176,7 +175,8 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         else:
             assert isinstance(item, ResponsesFunctionCallOutputItem)
-            out.append({"role": "tool", "content": item.output, "tool_call_id": item.call_id})
+            out.append({"role": "tool", "content": _text(item.output),
+                        "tool_call_id": item.call_id})
         if out and out[-1]["role"] == "assistant" and thought:
             out[-1]["reasoning_content"] = thought  # what thinking models' templates read
         thought = ""
@@ -422,6 +422,11 @@ def _output_text(text: str) -> dict[str, Any]:
 def _message(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [_output_text(text)]}
+
+
+def _text(content: str | list[ResponsesInputPart]) -> str:
+    """An item's text, its parts joined by newlines (as chat content parts are)."""
+    return content if isinstance(content, str) else "\n".join(p.text for p in content)
 
 
 def _reasoning_text(item: dict[str, Any]) -> str:
