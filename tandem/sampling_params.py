@@ -14,6 +14,9 @@ from typing import Any
 
 # vLLM's threshold: below it, temperature means greedy (argmax) decoding.
 _SAMPLING_EPS = 1e-5
+# Top logprobs a token may ask for besides the sampled one: OpenAI's bound on
+# top_logprobs and vLLM's default max_logprobs.
+MAX_LOGPROBS = 20
 # A reasoning model's think block (Qwen3, QwQ, DeepSeek-R1): a grammar waits for its end.
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -138,6 +141,8 @@ class SamplingParams:
             )
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}.")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}.")
         if self.max_tokens is not None:
             self._check_int("max_tokens", self.max_tokens, minimum=1)
         self._check_int("min_tokens", self.min_tokens, minimum=0)
@@ -148,6 +153,11 @@ class SamplingParams:
             )
         if self.logprobs is not None:
             self._check_int("logprobs", self.logprobs, minimum=0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}.")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if self.structured_outputs is not None and not isinstance(
                 self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams.")

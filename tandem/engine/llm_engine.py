@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -344,17 +345,23 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> Request:
         """Validate and tokenize; touches no engine state (safe from any thread)."""
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got "
+                             f"{type(params).__name__}")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids")
             ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
+            raise ValueError(f"a prompt is text or a list of token ids, got "
+                             f"{type(prompt).__name__}")
         else:
-            ids = list(prompt)
-            if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+            if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) for t in prompt):
                 raise ValueError("prompt token ids must be integers")
+            ids = [int(t) for t in prompt]  # numpy's integers too
             bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
             if bad:
                 raise ValueError(

@@ -28,6 +28,84 @@ def test_prompt_longer_than_context_is_an_error_not_truncated(llm):
         llm.generate(long, SamplingParams(max_tokens=4))
 
 
+def test_vllm_prompt_dicts_and_numpy_ids(llm):
+    """{"prompt": ...} and {"prompt_token_ids": ...} (vLLM's TextPrompt and
+    TokensPrompt) were iterated as sequences: the key names became the prompts."""
+    import numpy as np
+
+    tok = llm.get_tokenizer()
+    ids = tok.encode("The capital of France is")
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    want = llm.generate(ids, greedy)[0]
+    outs = llm.generate([{"prompt_token_ids": ids}, {"prompt": "The capital of France is"},
+                         [np.int64(t) for t in ids]], greedy)
+    assert all(o.prompt_token_ids == want.prompt_token_ids for o in outs)
+    assert all(o.outputs[0].token_ids == want.outputs[0].token_ids for o in outs)
+    assert llm.generate({"prompt_token_ids": ids}, greedy)[0].prompt_token_ids == ids
+
+
+@pytest.mark.parametrize("prompts,needle", [
+    ({"prompt": "hi", "multi_modal_data": {"image": 1}}, "multi_modal_data"),
+    ({"text": "hi"}, "prompt_token_ids"),
+    (b"Hello", "bytes"),
+    (5, "int"),
+    ([b"Hello"], "bytes"),
+])
+def test_prompts_of_other_shapes_are_value_errors(llm, prompts, needle):
+    with pytest.raises(ValueError, match=needle):
+        llm.generate(prompts, SamplingParams(max_tokens=2))
+    assert not llm.engine.requests
+
+
+def test_params_of_other_types_and_ranges_are_value_errors(llm):
+    with pytest.raises(ValueError, match="SamplingParams"):
+        llm.generate("Hi", {"max_tokens": 3})
+    for kwargs, field in (({"seed": 2**70}, "seed"), ({"logprobs": 100000}, "logprobs"),
+                          ({"ignore_eos": "yes"}, "ignore_eos"),
+                          ({"skip_special_tokens": None}, "skip_special_tokens")):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kwargs)
+
+
+def test_an_interrupted_generate_leaves_nothing_in_the_engine(llm, monkeypatch):
+    """Ctrl-C (or any exception) inside generate aborts its requests: they ran
+    before the next call's, to the end of their context (a 4-token call took
+    346 s), and one that raised in every step broke every later call."""
+    engine = llm.engine
+    calls = 0
+    step = engine.step
+
+    def interrupted():
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["Once upon a time"] * 4, SamplingParams(max_tokens=None, ignore_eos=True))
+    monkeypatch.undo()
+    assert not engine.requests and not engine.has_unfinished_requests()
+    assert engine.kv_manager.usage == 0
+    out = llm.generate("Hi", SamplingParams(max_tokens=4, temperature=0))[0]
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_chat_takes_vllms_options(llm):
+    conv = [{"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "The colour is"}]
+    tok = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    out = llm.chat(conv, greedy, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt_token_ids == tok.apply_chat_template(conv, False, continue_final=True)
+    assert tok.decode(out.prompt_token_ids).rstrip().endswith("The colour is")
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(conv, greedy, continue_final_message=True)
+    kw = llm.chat(conv[:1], greedy, chat_template_kwargs={"enable_thinking": False})[0]
+    assert kw.prompt_token_ids == tok.apply_chat_template(conv[:1])
+
+
 @pytest.mark.parametrize("kwargs,field", [
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": -3}, "max_tokens"),

@@ -12,9 +12,9 @@ from collections.abc import Iterable
 
 from tandem.entrypoints.server.errors import bad_request
 from tandem.outputs import RequestOutput
+from tandem.sampling_params import MAX_LOGPROBS
 from tandem.tokenizer import Tokenizer
 
-MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 NEG = -9999.0  # vLLM's stand-in for -inf: JSON has no infinities
 
 Entry = tuple[int, float, list[tuple[int, float]]]  # (token id, logprob, its top k)
