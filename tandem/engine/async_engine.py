@@ -58,8 +58,12 @@ class AsyncEngine:
         Construction errors (bad flags, missing model) are re-raised here.
         """
         self._cond = threading.Condition()
-        self._new: list[Request] = []
-        self._aborts: list[tuple[str, RequestStatus]] = []
+        # New requests (a Request) and aborts ((id, status)) in the order they came:
+        # an id a stop string freed may come back at once, and its abort must
+        # reach the engine before the new request does (and a new request's own
+        # abort after it).
+        self._inbox: list[Request | tuple[str, RequestStatus]] = []
+        self._num_new = 0  # the Requests in _inbox
         # Functions of the engine to run on its thread between two steps (see call).
         self._calls: list[tuple[Callable[[LLMEngine], Any], concurrent.futures.Future]] = []
         # request id -> (event loop, queue) of the awaiting caller
@@ -119,12 +123,13 @@ class AsyncEngine:
         rid = req.request_id
         queue: asyncio.Queue = asyncio.Queue()
         with self._cond:
-            if self._stopped:
+            if self.dead:  # shut down, or its thread died: nothing would answer
                 raise EngineDeadError("the engine is shut down")
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._streams[rid] = (asyncio.get_running_loop(), queue)
-            self._new.append(req)
+            self._inbox.append(req)
+            self._num_new += 1
             self._cond.notify()
         finished = False
         try:
@@ -144,13 +149,14 @@ class AsyncEngine:
         self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
     ) -> None:
         with self._cond:
-            self._aborts.append((request_id, status))
+            self._streams.pop(request_id, None)  # nobody listens from now on
+            self._inbox.append((request_id, status))
             self._cond.notify()
 
     @property
     def num_pending(self) -> int:
         """Requests handed over but not yet seen by the engine thread."""
-        return len(self._new)
+        return self._num_new
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -222,9 +228,7 @@ class AsyncEngine:
             if core.status is RequestStatus.FINISHED_ERROR:
                 queue.put_nowait(RequestFailedError(core.request.error))
                 continue
-            if stopped_by_string:
-                with self._cond:
-                    self._streams.pop(out.request_id, None)
+            if stopped_by_string:  # its stream ends here; the engine lets it go next
                 self.abort(out.request_id, RequestStatus.FINISHED_STOPPED)
             queue.put_nowait(out)
 
@@ -254,31 +258,46 @@ class AsyncEngine:
                 pass
 
     def _loop(self) -> None:
+        """The engine thread: steps until shut down. However it ends (an exception
+        outside a step included), every caller still waiting gets EngineDeadError."""
+        try:
+            self._steps()
+        finally:
+            for rid in list(self.engine.requests):
+                self.engine.abort_request(rid)
+            with self._cond:  # those in the engine, and those handed over but not added
+                for rid in list(self._streams):
+                    self._deliver(rid, EngineDeadError("the engine is shut down"), True)
+                for _, future in self._calls:
+                    future.set_exception(EngineDeadError("the engine is shut down"))
+
+    def _steps(self) -> None:
         engine = self.engine
         if engine.device.type == "cpu" and engine.config.adaptive_threads:
             self.tuner = ThreadTuner(engine.config.num_threads, torch.set_num_threads)
         step = self.tuner.step if self.tuner is not None else (lambda run: run())
         while True:
             with self._cond:
-                while not (self._stopped or self._new or self._aborts or self._calls
+                while not (self._stopped or self._inbox or self._calls
                            or engine.has_unfinished_requests()):
                     self._cond.wait()
                 if self._stopped:
                     break
-                new, self._new = self._new, []
-                aborts, self._aborts = self._aborts, []
+                inbox, self._inbox, self._num_new = self._inbox, [], 0
                 calls, self._calls = self._calls, []
             for fn, future in calls:
                 try:
                     future.set_result(fn(engine))
                 except Exception as e:  # the caller's to handle
                     future.set_exception(e)
-            for req in new:
-                engine.add_request(req)
-            for rid, status in aborts:
-                engine.abort_request(rid, status)
-                with self._cond:
-                    self._streams.pop(rid, None)
+            for item in inbox:
+                if not isinstance(item, Request):
+                    engine.abort_request(*item)
+                    continue
+                try:
+                    engine.add_request(item)
+                except ValueError as e:  # its caller's to hear; the loop goes on
+                    self._deliver(item.request_id, e, True)
             try:
                 outputs = step(engine.step_core)
             except Exception as e:  # fail what is in flight, keep serving new requests
@@ -288,10 +307,4 @@ class AsyncEngine:
                     self._deliver(rid, EngineDeadError(f"engine step failed: {e}"), True)
                 continue
             self._deliver_batch(outputs)
-        for rid in list(engine.requests):
-            engine.abort_request(rid)
-            self._deliver(rid, EngineDeadError("the engine is shut down"), True)
-        with self._cond:
-            for _, future in self._calls:
-                future.set_exception(EngineDeadError("the engine is shut down"))
 

@@ -11,6 +11,7 @@ import pytest
 from tandem import AsyncEngine, SamplingParams
 from tandem.config import EngineConfig
 from tandem.engine import llm_engine
+from tandem.engine.client import EngineDeadError
 from tandem.engine.llm_engine import LLMEngine
 from tests.unit.test_kv_cache import needs_populate, resident_fraction
 
@@ -148,3 +149,54 @@ def test_one_cross_thread_call_per_step_and_stop_strings_on_the_loop(default_mod
 
 async def _collect(gen):
     return [o async for o in gen]
+
+
+def test_an_id_a_stop_string_freed_can_be_used_again_at_once(default_model_dir):
+    """A stop string ends the stream before the engine lets the request go: the
+    same id sent again at once reached the engine first, add_request raised in
+    the engine thread and killed it, and every later call waited forever."""
+    eng = AsyncEngine(EngineConfig(kv_cache_memory="64MiB", max_model_len=256))
+    try:
+        async def main():
+            free = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
+            text = "".join([o.delta_text async for o in eng.generate("One, two, three,", free)])
+            params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0,
+                                    stop=[text.split()[1]])
+            finals = []
+            for _ in range(3):
+                outs = [o async for o in eng.generate("One, two, three,", params,
+                                                      request_id="X")]
+                finals.append(outs[-1].outputs[0])
+            return finals
+
+        finals = asyncio.run(asyncio.wait_for(main(), 60))
+        assert all(f.finish_reason == "stop" for f in finals) and not eng.dead
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_callers_of_a_dead_engine_thread_hear_so(engine, monkeypatch):
+    """However the engine thread ends, a caller waiting gets EngineDeadError and a
+    new one is refused at once (they waited forever)."""
+    eng = AsyncEngine(engine=engine.engine)
+
+    def broken(req):
+        raise RuntimeError("not a step's failure")
+
+    async def main():
+        gen = eng.generate([1, 2, 3], SamplingParams(max_tokens=4))
+        monkeypatch.setattr(eng.engine, "add_request", broken)
+        with pytest.raises(EngineDeadError):
+            async for _ in gen:
+                pass
+        eng._thread.join(timeout=10)
+        with pytest.raises(EngineDeadError):
+            async for _ in eng.generate([1, 2, 3], SamplingParams(max_tokens=4)):
+                pass
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        monkeypatch.undo()
+        eng.shutdown()
