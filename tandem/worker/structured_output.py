@@ -72,25 +72,75 @@ _SCHEMA_VALUES = ("items", "additionalProperties", "unevaluatedProperties", "not
                   "then", "else", "contains", "propertyNames", "additionalItems")
 
 
-def closed_objects(schema: Any, in_all_of: bool = False) -> Any:
-    """``schema`` with ``"additionalProperties": false`` on each object that lists
-    its properties and says nothing of others, as vLLM's default backend
-    (xgrammar's strict mode) and Ollama (llama.cpp's converter) compile it:
-    JSON Schema itself lets any other key in, and a sampled model adds them
-    (a pydantic model's schema, which Ollama's docs pass as ``format``, never
-    says). The parts of an ``allOf`` stay open: closed each to its own
-    properties, no object could satisfy two of them. Only subschemas are
-    visited: a ``const``, ``enum`` or ``default`` value is data, kept as given."""
+def ascii_digits(regex: str) -> str:
+    """``regex`` with ``\\d`` / ``\\D`` as ASCII digits (``[0-9]``), as JSON Schema's
+    ECMA-262 patterns and vLLM's default backend (xgrammar) read them: llguidance
+    reads them as Unicode's digit class, and the default model answered
+    ``\\d{3}-\\d{4}`` with U+1FBF8 (segmented digits, several byte tokens each)
+    until max_tokens. Escapes stay escapes; inside a character class the ASCII
+    class ``[:digit:]`` stands in."""
+    out: list[str] = []
+    depth = 0  # character classes nest in llguidance's (Rust's) syntax
+    i = 0
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            n = regex[i + 1]
+            if n in "dD":
+                out.append(("[:digit:]" if n == "d" else "[:^digit:]") if depth
+                           else ("[0-9]" if n == "d" else "[^0-9]"))
+            else:
+                out.append(c + n)
+            i += 2
+            continue
+        if c == "[":
+            if depth and regex.startswith("[:", i):  # an ASCII class inside a class
+                end = regex.find(":]", i + 2)
+                if end > 0:
+                    out.append(regex[i:end + 2])
+                    i = end + 2
+                    continue
+            depth += 1
+            out.append(c)
+            i += 1
+            # a first ']' (after an optional '^') is a literal
+            if regex.startswith("^", i):
+                out.append("^")
+                i += 1
+            if regex.startswith("]", i):
+                out.append("]")
+                i += 1
+            continue
+        if c == "]" and depth:
+            depth -= 1
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def compiled_schema(schema: Any, in_all_of: bool = False) -> Any:
+    """``schema`` as tandem compiles it: with ``"additionalProperties": false``
+    on each object that lists its properties and says nothing of others, as
+    vLLM's default backend (xgrammar's strict mode) and Ollama (llama.cpp's
+    converter) compile it: JSON Schema itself lets any other key in, and a
+    sampled model adds them (a pydantic model's schema, which Ollama's docs pass
+    as ``format``, never says). The parts of an ``allOf`` stay open: closed each
+    to its own properties, no object could satisfy two of them. And with each
+    ``pattern``'s digits ASCII (ascii_digits). Only subschemas are visited: a
+    ``const``, ``enum`` or ``default`` value is data, kept as given."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     for k, v in schema.items():
         if k in _SCHEMA_MAPS and isinstance(v, dict):
-            out[k] = {name: closed_objects(sub) for name, sub in v.items()}
+            out[k] = {ascii_digits(name) if k == "patternProperties" else name:
+                      compiled_schema(sub) for name, sub in v.items()}
         elif k in _SCHEMA_LISTS and isinstance(v, list):
-            out[k] = [closed_objects(sub, k == "allOf" and len(v) > 1) for sub in v]
+            out[k] = [compiled_schema(sub, k == "allOf" and len(v) > 1) for sub in v]
         elif k in _SCHEMA_VALUES:
-            out[k] = closed_objects(v)
+            out[k] = compiled_schema(v)
+    if isinstance(schema.get("pattern"), str):
+        out["pattern"] = ascii_digits(schema["pattern"])
     if (not in_all_of and isinstance(schema.get("properties"), dict)
             and "additionalProperties" not in schema and "patternProperties" not in schema):
         out["additionalProperties"] = False
@@ -284,13 +334,13 @@ class StructuredOutputManager:
                 llg.LLTokenizer.json_slices())
         try:
             if field == "json":
-                schema = json.dumps(closed_objects(json.loads(text)))
+                schema = json.dumps(compiled_schema(json.loads(text)))
                 grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
             elif field == "json_object":
                 grammar = llg.LLMatcher.grammar_from_json_schema(
                     '{"type": "object"}', defaults=JSON_OPTIONS)
             elif field == "regex":
-                grammar = llg.LLMatcher.grammar_from_regex(text)
+                grammar = llg.LLMatcher.grammar_from_regex(ascii_digits(text))
             elif field == "choice":
                 grammar = llg.grammar_from("choice", text)
             else:  # Lark, or GBNF (converted to Lark)

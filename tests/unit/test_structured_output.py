@@ -23,6 +23,8 @@ from tandem.worker.structured_output import (  # noqa: E402
     GrammarFailedError,
     StructuredOutputManager,
     apply_token_bitmask_,
+    ascii_digits,
+    compiled_schema,
     spec_key,
 )
 
@@ -186,16 +188,14 @@ def test_sampler_applies_the_grammar_mask_to_greedy_and_random_rows():
     assert out[1] == max(ok, key=lambda t: logits[1, t])
 
 
-def test_closed_objects_closes_what_lists_its_properties():
-    from tandem.worker.structured_output import closed_objects
-
+def test_compiled_schema_closes_what_lists_its_properties():
     schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {}},
                                                "b": {"type": "object"}},
               "$defs": {"D": {"properties": {"x": {}}, "additionalProperties": True}},
               "items": [{"properties": {"y": {}}, "patternProperties": {"^z": {}}}],
               "allOf": [{"properties": {"p": {}}}, {"properties": {"q": {}}}],
               "anyOf": [{"allOf": [{"properties": {"r": {"properties": {}}}}]}]}
-    got = closed_objects(schema)
+    got = compiled_schema(schema)
     assert got["additionalProperties"] is False
     assert got["properties"]["a"]["additionalProperties"] is False
     assert "additionalProperties" not in got["properties"]["b"]  # any object
@@ -210,7 +210,7 @@ def test_closed_objects_closes_what_lists_its_properties():
     data = {"type": "object", "properties": {
         "c": {"const": {"properties": {"x": 1}}}, "e": {"enum": [{"properties": {}}]},
         "properties": {"type": "string"}}}
-    got = closed_objects(data)
+    got = compiled_schema(data)
     assert got["properties"]["c"] == data["properties"]["c"]
     assert got["properties"]["e"] == data["properties"]["e"]
     assert set(got["properties"]) == {"c", "e", "properties"}
@@ -280,3 +280,32 @@ def test_a_first_token_may_open_a_block_where_think_is_one_token(tokenizer):
 def test_reasoning_is_inside_may_open_or_none():
     with pytest.raises(ValueError, match="structured_outputs.reasoning must be one of"):
         SO(regex="a", reasoning="after")
+
+
+@pytest.mark.parametrize("regex,want", [
+    (r"\d{3}-\d{4}", "[0-9]{3}-[0-9]{4}"),
+    (r"[\d_]+", "[[:digit:]_]+"),
+    (r"[^\d]\D", "[^[:digit:]][^0-9]"),
+    (r"\\d\.", r"\\d\."),  # an escaped backslash, then d
+    (r"[]\d]", "[][:digit:]]"),
+    (r"[[:alpha:]\d]", "[[:alpha:][:digit:]]"),
+])
+def test_ascii_digits(regex, want):
+    assert ascii_digits(regex) == want
+
+
+def test_a_digit_is_an_ascii_digit(manager, tokenizer):
+    r"""\d admits the ten ASCII digits, in a regex and in a JSON schema's pattern (as
+    ECMA-262 and xgrammar read it), not Unicode's digit class (llguidance's:
+    the default model answered \d{3}-\d{4} with U+1FBF8, byte token by token)."""
+    def first_tokens(spec):
+        _, words = manager.masks([req(manager.new_request(spec))])
+        return {t for t in range(V) if int(words[0, t // 32]) >> (t % 32) & 1}
+
+    digits = {tokenizer.encode(str(d), add_special_tokens=False)[0] for d in range(10)}
+    assert first_tokens(SO(regex=r"\d")) == digits
+    assert compiled_schema({"properties": {"a": {"pattern": r"^\d+$"}}, "patternProperties": {
+        r"^x\d$": {}}}) == {"properties": {"a": {"pattern": "^[0-9]+$"}},
+                            "patternProperties": {"^x[0-9]$": {}}}  # open: patternProperties
+    assert first_tokens(SO(regex=r"[\d_]")) == digits | {
+        tokenizer.encode("_", add_special_tokens=False)[0]}
