@@ -68,6 +68,7 @@ class CompletionOutput:
     # With SamplingParams.logprobs: per output token, {token id: logprob} of the
     # sampled token and the top logprobs (vLLM's LLM.generate shape).
     logprobs: list[dict[int, float]] | None = None
+    index: int = 0  # which of a request's n sequences (LLM.generate with n > 1)
 
 
 @dataclass

@@ -7,6 +7,7 @@ HTTP layer turns it into a 400), never an assert deep inside a step.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -216,6 +217,14 @@ class SamplingParams:
             raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}.")
         if hi is not None and value > hi:  # type: ignore[operator]
             raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}.")
+
+    def fan_out(self) -> list[SamplingParams]:
+        """n engine requests (n = 1 each) for an n-sequence request; sequence i
+        samples with seed + i (so each is its own run alone with that seed)."""
+        if self.n == 1:
+            return [self]
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + i)
+                for i in range(self.n)]
 
     @property
     def greedy(self) -> bool:

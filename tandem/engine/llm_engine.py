@@ -370,8 +370,9 @@ class LLMEngine:
                 )
         if not ids:
             raise ValueError("the prompt is empty")
-        if params.n != 1:
-            raise ValueError("only n=1 is supported")
+        if params.n != 1:  # LLM.generate and the server fan out (SamplingParams.fan_out)
+            raise ValueError("an engine request is one sequence (n=1): fan n out with "
+                             "SamplingParams.fan_out()")
         room = self.max_model_len - len(ids)
         if params.max_tokens is None:
             max_tokens = room

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -63,8 +64,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Finished outputs in prompt order. Bad input raises ValueError before any work;
-        an exception while running (Ctrl-C included) aborts this call's requests, so
+        """Finished outputs in prompt order, each with its ``n`` sequences (sequence i
+        sampled with seed + i). Bad input raises ValueError before any work; an
+        exception while running (Ctrl-C included) aborts this call's requests, so
         none is left in the engine to run before the next call's."""
         prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -76,7 +78,9 @@ class LLM:
                     f"{len(params)} sampling params for {len(prompts)} prompts"
                 )
         engine = self.engine
-        reqs = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]
+        groups = [[engine.make_request(p, one) for one in sp.fan_out()]
+                  for p, sp in zip(prompts, params)]
+        reqs = [r for group in groups for r in group]
         done: dict[str, RequestOutput] = {}
         bar = _progress(len(reqs)) if use_tqdm else None
         try:
@@ -95,7 +99,7 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [done[r.request_id] for r in reqs]
+        return [_merged([done[r.request_id] for r in group]) for group in groups]
 
     def chat(
         self,
@@ -123,6 +127,16 @@ class LLM:
             list(c), add_generation_prompt, tools, continue_final_message, chat_template_kwargs)
             for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+
+def _merged(outs: list[RequestOutput]) -> RequestOutput:
+    """One prompt's sequences as one output, vLLM's shape: ``outputs[i]`` is
+    sequence i; the first sequence's id and metrics."""
+    if len(outs) == 1:
+        return outs[0]
+    first = outs[0]
+    seqs = [dataclasses.replace(o.outputs[0], index=i) for i, o in enumerate(outs)]
+    return dataclasses.replace(first, outputs=seqs)
 
 
 def _progress(total: int):

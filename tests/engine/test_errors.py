@@ -92,6 +92,19 @@ def test_an_interrupted_generate_leaves_nothing_in_the_engine(llm, monkeypatch):
     assert out.outputs[0].finish_reason == "length"
 
 
+def test_n_sequences_each_as_its_seed_alone(llm):
+    """n > 1 (was a ValueError): outputs[i] is sequence i, sampled with seed + i."""
+    hot = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=11, n=3)
+    out = llm.generate(["Once upon a time", "The sea"], hot)
+    assert [len(o.outputs) for o in out] == [3, 3]
+    for i, seq in enumerate(out[0].outputs):
+        alone = llm.generate("Once upon a time", SamplingParams(
+            temperature=1.0, max_tokens=8, ignore_eos=True, seed=11 + i))[0].outputs[0]
+        assert seq.index == i and seq.token_ids == alone.token_ids
+    assert len({tuple(s.token_ids) for s in out[0].outputs}) > 1
+    assert out[1].prompt_token_ids != out[0].prompt_token_ids
+
+
 def test_chat_takes_vllms_options(llm):
     conv = [{"role": "user", "content": "Name a colour."},
             {"role": "assistant", "content": "The colour is"}]

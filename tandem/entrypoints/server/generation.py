@@ -16,7 +16,6 @@ blocks — whether it was running or still queued.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -112,16 +111,6 @@ def open_ended_max_tokens(state: ServerState, prompt_len: int, window: int | Non
     cap = state.defaults.values.get("max_tokens")
     room = (window or state.card.max_model_len) - prompt_len
     return None if cap is None or room < 1 else min(cap, room)
-
-
-def fan_out(params: SamplingParams) -> list[SamplingParams]:
-    """n engine requests for one n-choice request; choice i samples with seed + i."""
-    if params.n == 1:
-        return [params]
-    return [
-        dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-        for i in range(params.n)
-    ]
 
 
 @dataclass

@@ -24,7 +24,6 @@ from tandem.entrypoints.server.auth import require_api_key
 from tandem.entrypoints.server.errors import bad_request
 from tandem.entrypoints.server.generation import (
     Generation,
-    fan_out,
     given_max_tokens,
     make_sampling_params,
     open_ended_max_tokens,
@@ -144,7 +143,7 @@ async def completions(request: Request):
     params = _params(state, req, req.max_tokens if req.max_tokens is not None
                      else COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs, constraint)
     prompts = await _completion_prompts(state, req.prompt)
-    per_prompt = fan_out(params)
+    per_prompt = params.fan_out()
     echo = [await _echo_text(state, req.prompt, ids, i) if req.echo else "" for i, ids in
             enumerate(prompts)]
     gen = Generation(state, state.new_id("cmpl-"), [ids for ids in prompts for _ in per_prompt],
@@ -207,7 +206,7 @@ async def chat_completions(request: Request):
         max_tokens = open_ended_max_tokens(state, len(ids))
     params = _params(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                      constraint)
-    per_choice = fan_out(params)
+    per_choice = params.fan_out()
     gen = Generation(state, state.new_id("chatcmpl-"), [ids] * len(per_choice), per_choice)
     view = _View(state, req.model or state.card.name, gen, len(per_choice), req.return_token_ids,
                  plan, [None if reasoner is None else replace(reasoner) for _ in per_choice])
