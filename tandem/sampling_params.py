@@ -37,6 +37,16 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def checked_params(params: object) -> SamplingParams:
+    """``params`` if it is a SamplingParams (None: the defaults); a ValueError if not
+    (a dict of fields was read attribute by attribute, deep in the engine)."""
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    return params
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -32,7 +32,7 @@ from tandem.model.kv_cache import kv_cache_class, kv_cache_dtype_name
 from tandem.model.llama import ModelConfig
 from tandem.model.loader import load_model, read_hf_config, resolve_model
 from tandem.outputs import RequestOutput
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, checked_params
 from tandem.tokenizer import Tokenizer
 from tandem.worker.model_runner import ModelRunner, allocate_kv_caches
 from tandem.worker.structured_output import GrammarFailedError, StructuredOutputManager
@@ -345,10 +345,7 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> Request:
         """Validate and tokenize; touches no engine state (safe from any thread)."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got "
-                             f"{type(params).__name__}")
+        params = checked_params(params)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")

@@ -10,7 +10,7 @@ from typing import Any
 from tandem.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.outputs import RequestOutput
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, checked_params
 
 # Text, token ids, or vLLM's prompt dicts: {"prompt": text}, {"prompt_token_ids": ids}.
 Prompt = str | Sequence[int] | dict[str, Any]
@@ -78,7 +78,7 @@ class LLM:
                     f"{len(params)} sampling params for {len(prompts)} prompts"
                 )
         engine = self.engine
-        groups = [[engine.make_request(p, one) for one in sp.fan_out()]
+        groups = [[engine.make_request(p, one) for one in checked_params(sp).fan_out()]
                   for p, sp in zip(prompts, params)]
         reqs = [r for group in groups for r in group]
         done: dict[str, RequestOutput] = {}
