@@ -263,13 +263,20 @@ class AsyncEngine:
         try:
             self._steps()
         finally:
-            for rid in list(self.engine.requests):
-                self.engine.abort_request(rid)
-            with self._cond:  # those in the engine, and those handed over but not added
-                for rid in list(self._streams):
-                    self._deliver(rid, EngineDeadError("the engine is shut down"), True)
-                for _, future in self._calls:
-                    future.set_exception(EngineDeadError("the engine is shut down"))
+            try:
+                for rid in list(self.engine.requests):
+                    self.engine.abort_request(rid)
+            finally:
+                self._fail_waiting()
+
+    def _fail_waiting(self) -> None:
+        """EngineDeadError to every caller still waiting: those whose requests were in
+        the engine, and those handed over but never added."""
+        with self._cond:
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDeadError("the engine is shut down"), True)
+            for _, future in self._calls:
+                future.set_exception(EngineDeadError("the engine is shut down"))
 
     def _steps(self) -> None:
         engine = self.engine

@@ -86,7 +86,7 @@ class LLM:
         try:
             for r in reqs:
                 engine.add_request(r)
-            while len(done) < len(reqs):
+            while len(done) < len(reqs) and engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
                         done[out.request_id] = out
