@@ -75,3 +75,20 @@ def test_tandem_queue_503s_are_failures_and_match_its_rejection_counter(tiny_ser
     assert result["failed"] == len(rejected) == server["queue_rejections"] >= 1
     assert all(e.startswith("HTTP 503: server overloaded") for e in rejected)
     assert result["completed"] == server["num_ttft_observations"] == 6 - len(rejected)
+
+
+def test_a_server_still_loading_says_so_not_pass_model():
+    """While a model loads, /v1/models lists nothing and /health is a 503 "Loading
+    model": bench and doctor told the operator to pass --model."""
+    import httpx
+
+    from tandem.tools.bench.target import resolve_target
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(503, json={"error": {"message": "Loading model"}})
+        return httpx.Response(503, json={"error": {"message": "Loading model"}})
+
+    with httpx.Client(transport=httpx.MockTransport(answer)) as client:
+        with pytest.raises(ValueError, match="still loading its model"):
+            resolve_target(None, "127.0.0.1", 1, "openai", None, None, {}, client)

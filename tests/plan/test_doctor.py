@@ -154,6 +154,27 @@ def test_slow_prefill_names_the_rate_and_the_knobs():
     assert "slow_prefill" not in flat and "ttft_overhead" in flat
 
 
+def test_queue_time_is_not_read_as_prefill():
+    """An operator's trial: TTFT 1.555 -> 2.359 s (1.5x), of which the server said
+    1.453 and 1.585 s were queue: the queue's finding, not a slow prefill."""
+    queued = healthy(short=probe("short", 64, 16, 1.555, server_queue_s=1.453),
+                     long=probe("long", 328, 16, 2.359, server_queue_s=1.585))
+    assert "slow_prefill" not in rules(queued)
+    slow = healthy(short=probe("short", 64, 16, 1.6, server_queue_s=1.4),
+                   long=probe("long", 1024, 16, 4.4, server_queue_s=1.4))
+    assert "slow_prefill" in rules(slow)  # 0.2 -> 3.0 s once the queue is taken out
+
+
+def test_a_server_refusing_the_first_request_is_the_rejected_finding():
+    """The doctor stopped with an error on an overloaded server (--max-queue full);
+    the refusal, still there after its retries, is what it reports."""
+    refused = Probe("first request", prompt_tokens=8, output_tokens=0, ok=False,
+                    error="HTTP 503: server overloaded: 2 requests are already waiting")
+    found = diagnose(Measurements("http://127.0.0.1:1", "tandem", "m", warmup=refused))
+    assert [f.rule for f in found] == ["rejected"]
+    assert "--max-queue" in verdict(found) or "--max-num-seqs" in verdict(found)
+
+
 def test_prefill_rate_prefers_the_servers_split():
     m = healthy(long=probe("long", 1024, 16, 0.4, server_prefill_s=0.25,
                            computed_prompt_tokens=1000))

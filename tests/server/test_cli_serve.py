@@ -103,6 +103,8 @@ def test_serve_rejects_bad_flags_before_loading(capsys):
                          (["--override-generation-config", '{"top_p": 2}'], "top_p must be"),
                          (["--threads", "0"], "--threads must be >= 1"),
                          (["--api-key", ""], "--api-key is empty"),
+                         (["--stats-interval", "nan"], "--stats-interval must be"),
+                         (["--stats-interval", "inf"], "--stats-interval must be"),
                          (["--served-model-name", "a", " "], "must not be empty")):
         assert main(["serve", *flags]) == 2
         assert words in capsys.readouterr().err

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import os
 import socket
 import threading
@@ -316,8 +317,9 @@ def serve(args, load: Loader) -> int:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    if args.stats_interval <= 0:
-        raise ValueError(f"--stats-interval must be positive, got {args.stats_interval}")
+    if not 0 < args.stats_interval < math.inf:  # nan too: it logged every ~0.1 s
+        raise ValueError(f"--stats-interval must be a positive number of seconds, got "
+                         f"{args.stats_interval}")
     # An empty key would leave the APIs open ("--api-key $KEY" with KEY unset).
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty: give a key, or leave the flag out for no key")

@@ -31,10 +31,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="seconds between stats log lines (default 10)")
     g.add_argument("--slo-ttft-ms", type=float, default=None,
                    help="time-to-first-token target: a line on /dashboard's latency chart, "
-                        "and the doctor's verdict there judges TTFT by it (default 1000)")
+                        "and the doctor's verdict there judges TTFT by it (unset: no line, "
+                        "and the verdict judges by 1000)")
     g.add_argument("--slo-itl-ms", type=float, default=None,
-                   help="inter-token latency target, as --slo-ttft-ms (default 100: "
-                        "10 tok/s, reading speed)")
+                   help="inter-token latency target, as --slo-ttft-ms (unset: no line, and "
+                        "the verdict judges by 100: 10 tok/s, reading speed)")
     g.add_argument("--dashboard-max-viewers", type=int, default=8,
                    help="/dashboard feeds open at once; more get 429 (default 8; 0: off)")
     g.add_argument("--skip-tokenizer-init", action="store_true",

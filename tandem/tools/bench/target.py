@@ -59,7 +59,8 @@ def resolve_target(base_url: str | None, host: str, port: int, backend: str,
     models = _discover(client, base, headers)
     if model is None:
         if not models:
-            raise ValueError(f"no model listed at {base} (/v1/models, /api/tags); pass --model")
+            raise ValueError(still_loading(client, base, headers) or
+                             f"no model listed at {base} (/v1/models, /api/tags); pass --model")
         model = models[0][0]
     max_len = next((n for name, n in models if name == model), None)
     return Target(base, endpoint, backend, model, headers, max_len)
@@ -72,6 +73,21 @@ def _check_endpoint(backend: str, endpoint: str) -> None:
             backend == "openai" and endpoint.rstrip("/").endswith("chat/completions")):
         raise ValueError(f"--endpoint {endpoint} does not fit --backend {backend} "
                          f"(default {DEFAULT_ENDPOINTS[backend]})")
+
+
+def still_loading(client: httpx.Client, base: str, headers: dict[str, str] | None = None
+                  ) -> str | None:
+    """What to tell an operator when a server lists no model because it is still
+    loading one (its /health is a 503 "Loading model", as tandem's and
+    llama-server's are): "pass --model" was the wrong advice. None otherwise."""
+    try:
+        r = client.get(base + "/health", headers=headers or {})
+    except httpx.HTTPError:
+        return None
+    if r.status_code == 503 and "loading" in r.text.lower():
+        return (f"the server at {base} is still loading its model (/health: 503 Loading "
+                "model); try again once /health answers 200")
+    return None
 
 
 def _discover(client: httpx.Client, base: str, headers: dict[str, str]

@@ -335,7 +335,7 @@ def _rule_queue(m: Measurements) -> Finding | None:
 
 
 def _rule_rejected(m: Measurements) -> Finding | None:
-    for p in (m.short, m.long, m.stream, m.pair_first, m.pair_second):
+    for p in (m.warmup, m.short, m.long, m.stream, m.pair_first, m.pair_second):
         if p is not None and not p.ok and ("503" in p.error or "overload" in p.error.lower()):
             return rejected_finding(m.kind, f"the {p.name} probe failed: {p.error}")
     return None
@@ -345,12 +345,18 @@ def _rule_prefill(m: Measurements) -> Finding | None:
     if not (_ok(m.short) and _ok(m.long)):
         return None
     s, lg = m.short, m.long
-    growth = lg.ttft_s / s.ttft_s if s.ttft_s > 0 else math.inf
+
+    def unqueued(p: Probe) -> float:
+        """TTFT less the queue the server reports: a queue's growth is the queue's
+        finding (93% of a short probe's TTFT was queue once, and read as prefill)."""
+        return max(p.ttft_s - (p.server_queue_s or 0.0), 0.0)
+
+    growth = unqueued(lg) / unqueued(s) if unqueued(s) > 0 else math.inf
     prefill_share = (
         lg.server_prefill_s / lg.ttft_s if lg.server_prefill_s and lg.ttft_s > 0 else None
     )
     from_prefill = growth >= GROWTH or (prefill_share is not None and prefill_share >= 0.5)
-    if lg.ttft_s <= m.ttft_target_s or not from_prefill:
+    if unqueued(lg) <= m.ttft_target_s or not from_prefill:
         return None
     rate, how = prefill_rate(m)
     ev = (

@@ -41,8 +41,18 @@ from tandem.tools.bench.client import (
 from tandem.tools.bench.datasets import SampleRequest
 from tandem.tools.bench.runner import make_client
 from tandem.tools.bench.server_metrics import KV_USAGE, PREEMPTIONS, RUNNING, WAITING, Snapshot
+from tandem.tools.bench.target import still_loading
 from tandem.tools.bench.tokens import WORDS, PromptBuilder, ServerTokenizer
 from tandem.tools.doctor.diagnose import Measurements, MetricsSample, Probe
+
+# A server that refuses the first request as overloaded is asked again this many
+# times, this far apart, before the refusal is the finding.
+OVERLOAD_TRIES = 4
+OVERLOAD_WAIT_S = 2.0
+
+
+def _overloaded(error: str) -> bool:
+    return error.startswith("HTTP 503") or "overload" in error.lower()
 
 
 class DoctorError(ValueError):
@@ -181,7 +191,8 @@ def detect(client: httpx.Client, base: str, model: str | None = None) -> ServerI
     else:
         names = [str(m["id"]) for m in openai_models]
     if not names:
-        raise DoctorError(f"{base} lists no model; pass --model-name")
+        raise DoctorError(still_loading(client, base) or
+                          f"{base} lists no model; pass --model-name")
     info.models = names
     chosen = model or names[0]
     entry = next((m for m in openai_models if m.get("id") == chosen), None)
@@ -418,6 +429,13 @@ class Prober:
                 is None and m.kind != "ollama" and not self.prompts.token_ids):
             self.prompts.token_ids = True  # a server without a tokenizer: send token ids
             m.warmup = await self.request(client, "first request", self.prompts.make(8, 2), t0)
+        for _ in range(OVERLOAD_TRIES - 1):  # an overloaded server: wait as it asks
+            if m.warmup.ok or not _overloaded(m.warmup.error):
+                break
+            await asyncio.sleep(OVERLOAD_WAIT_S)
+            m.warmup = await self.request(client, "first request", warm, t0)
+        if not m.warmup.ok and _overloaded(m.warmup.error):
+            return  # that is the diagnosis (diagnose's rejected rule), not an error
         if not m.warmup.ok:
             raise DoctorError(f"{self.endpoint} failed a 2-token request: {m.warmup.error}")
         m.short = await self.request(client, "short", self.prompts.make(short_len, out), t0)
