@@ -179,9 +179,11 @@ async def _when_loaded(app: FastAPI, engine: EngineClient | Loader, config: Serv
         app.state.tandem = _server_state(loaded, config)
         _freeze_startup_heap()
     state: ServerState = app.state.tandem
-    logger.info("serving %s (max_model_len %d, max_num_seqs %d, max_queue %d)",
-                state.card.name, state.card.max_model_len,
-                state.engine.model_info.max_num_seqs, state.admission.max_queue)
+    card = state.card
+    logger.info("serving %s (%s weights; max_model_len %d, max_num_seqs %d, max_queue %d)%s",
+                " / ".join(card.names), card.quantization_level, card.max_model_len,
+                state.engine.model_info.max_num_seqs, state.admission.max_queue,
+                "; every API needs the API key" if config.api_key else "")
     logger.info("sampling defaults for fields a request leaves out: %s; max_tokens: until "
                 "the model stops or the context is full (chat, /api/*), %d (/v1/completions)",
                 state.defaults.describe(), openai.COMPLETIONS_DEFAULT_MAX_TOKENS)
@@ -424,7 +426,8 @@ def run_server(load: Loader, config: ServerConfig, host: str, port: int,
     server = Server(uvicorn.Config(app, host=host, port=port, log_config=None,
                                    access_log=access_log,
                                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
-    logger.info("loading the model: until it is ready, requests get 503 \"Loading model\"")
+    logger.info("listening on http://%s:%d; loading the model: until it is ready, requests "
+                "get 503 \"Loading model\"", host if ":" not in host else f"[{host}]", port)
     interrupted = False
     try:
         server.run(sockets=[sock])
