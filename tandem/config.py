@@ -298,7 +298,9 @@ class EngineConfig:
         "a GGUF's own formats, Q8_0 as int8, Q4_0/Q4_1/Q4_K as int4, other block formats as "
         "int8 groups; float weights stay float)",
         choices=QUANTIZATIONS, flags=("--quantization", "-q"))
-    seed: int = _flag(0, "seed for dummy weights")
+    seed: int = _flag(0, "seed of dummy weights and of the draws of requests without a seed "
+                      "of their own (vLLM's): the same requests in the same order sample "
+                      "the same tokens in every run")
     max_model_len: int | None = _flag(
         None, "context window (prompt + output); longer requests get an error, never a "
         "silently truncated prompt", type=int, minimum=2)

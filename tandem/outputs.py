@@ -69,6 +69,8 @@ class CompletionOutput:
     # sampled token and the top logprobs (vLLM's LLM.generate shape).
     logprobs: list[dict[int, float]] | None = None
     index: int = 0  # which of a request's n sequences (LLM.generate with n > 1)
+    # With logprobs: the sum of the sampled tokens' logprobs (vLLM's; None without).
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -90,6 +92,11 @@ class RequestOutput:
     new_logprobs: list[dict[int, float]] | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
     metrics: RequestMetrics | None = None
+    prompt: str | None = None  # the prompt's text, when it was given as text
+    # With SamplingParams.prompt_logprobs, on the first token's output and the
+    # finished one: per prompt token, None for the first (nothing precedes it),
+    # then {token id: logprob} of that token and the top ones (vLLM's shape).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finish_reason(self) -> str | None:

@@ -130,6 +130,9 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # top logprobs to return besides the sampled token
+    # Per prompt token after the first: its logprob and this many top ones (vLLM's
+    # field). Such a request's prompt is computed in full, never from the prefix cache.
+    prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -162,10 +165,12 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) must be less than or equal to "
                 f"max_tokens ({self.max_tokens})."
             )
-        if self.logprobs is not None:
-            self._check_int("logprobs", self.logprobs, minimum=0)
-            if self.logprobs > MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None:
+                self._check_int(name, k, minimum=0)
+                if k > MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {k}.")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")

@@ -244,9 +244,10 @@ class KVCacheManager:
         """The longest cached prefix of the request, as blocks and a token count.
 
         The last token is never served from cache: it must run through the model
-        to produce logits for the next token.
+        to produce logits for the next token; nor is a prompt whose logprobs are
+        still to be computed.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.prompt_logprobs_pending:
             return ComputedBlocks([], [[] for _ in self.windows]), 0
         limit = request.num_tokens - 1
         self._update_block_hashes(request, limit)

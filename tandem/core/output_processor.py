@@ -68,7 +68,11 @@ def process_output(out: EngineCoreOutput) -> tuple[RequestOutput | None, bool]:
         finished=status is not None,
         time=out.time,
         new_logprobs=None if out.logprobs is None else [out.logprobs],
+        prompt=req.prompt,
     )
+    if req.sampling_params.prompt_logprobs is not None and (
+            status is not None or out.num_output_tokens == 1):
+        ro.prompt_logprobs = [None, *req.prompt_logprobs]
     if status is not None:
         ro.outputs = [_completion(req, status, stop_reason, out.num_output_tokens)]
         ro.metrics = _metrics(req, out.num_output_tokens, out.time)
@@ -77,12 +81,18 @@ def process_output(out: EngineCoreOutput) -> tuple[RequestOutput | None, bool]:
 
 def _completion(req: Request, status: RequestStatus, stop_reason: int | str | None,
                 n: int) -> CompletionOutput:
+    ids = req.output_token_ids[:n]
+    logprobs = cumulative = None
+    if req.sampling_params.logprobs is not None:
+        logprobs = req.logprobs[:n]
+        cumulative = sum(lp[t] for lp, t in zip(logprobs, ids))
     return CompletionOutput(
         text=req.detokenizer.text if req.detokenizer else "",
-        token_ids=req.output_token_ids[:n],
+        token_ids=ids,
         finish_reason=FINISH_REASONS[status],
         stop_reason=stop_reason,
-        logprobs=req.logprobs[:n] if req.sampling_params.logprobs is not None else None,
+        logprobs=logprobs,
+        cumulative_logprob=cumulative,
     )
 
 

@@ -101,6 +101,10 @@ class Request:
         self.output_token_ids: list[int] = []
         # Per output token when sampling_params.logprobs is set: {token id: logprob}.
         self.logprobs: list[dict[int, float]] = []
+        # With sampling_params.prompt_logprobs: entry i for prompt token i + 1, filled
+        # chunk by chunk as the prompt is computed (a recompute adds nothing twice).
+        self.prompt_logprobs: list[dict[int, float]] = []
+        self.prompt: str | None = None  # the prompt's text, when it came as text
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens  # already capped by the context window
         self.generator = generator
@@ -130,6 +134,13 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet: the prompt must run
+        through the model (a prefix-cache hit would skip the positions they need)."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

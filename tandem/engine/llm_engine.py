@@ -203,7 +203,7 @@ class LLMEngine:
         self.chunk_tuner = None if prefill_cap is None else ChunkTuner(
             prefill_cap, t1, budget_tokens, per_token)
         self.runner = ModelRunner(self.model, self.kv_caches, c.block_size, self.eos_token_ids,
-                                  c.max_num_seqs, max_len, groups)
+                                  c.max_num_seqs, max_len, groups, c.seed)
         self.kv_bytes_per_token = bytes_per_token
         # Tokens of every layer's KV the pool's bytes hold (its blocks' tokens
         # without window groups).
@@ -405,6 +405,7 @@ class LLMEngine:
             grammar = self.structured_output.new_request(params.structured_outputs)
         req = Request(rid, ids, params, max_tokens, generator, detok, arrival_time)
         req.structured_output_request = grammar
+        req.prompt = prompt if isinstance(prompt, str) else None
         return req
 
     def add_request(
@@ -534,6 +535,8 @@ class LLMEngine:
         self.num_steps += 1
         for req, n in zip(sched.requests, sched.num_scheduled_tokens):
             req.num_computed_tokens += n
+        for req, entries in result.prompt_logprobs:
+            req.prompt_logprobs.extend(entries)
         outputs = []
         logprobs = result.logprobs or [None] * len(result.requests)
         for req, tok, lp in zip(result.requests, result.sampled_token_ids, logprobs):

@@ -8,7 +8,7 @@ host synchronisation is the final ``.tolist()`` of the sampled ids.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,9 @@ class ModelRunnerOutput:
     requests: list[Request]
     sampled_token_ids: list[int]
     logprobs: list[dict[int, float] | None] | None = None
+    # Requests asking for prompt logprobs: the next entries of their
+    # Request.prompt_logprobs this step computed, in prompt order.
+    prompt_logprobs: list[tuple[Request, list[dict[int, float]]]] = field(default_factory=list)
 
 
 def allocate_kv_caches(
@@ -64,6 +67,7 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int,
         groups: KVCacheGroups,
+        seed: int = 0,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -75,6 +79,8 @@ class ModelRunner:
         self.device = model.device
         self.vocab_size = model.cfg.vocab_size
         self.sampler = Sampler()
+        # Unseeded requests' draws: the engine's own stream, not torch's global one.
+        self.generator = torch.Generator(self.device).manual_seed(seed)
         self.decode_step = DecodeStep.build(model, kv_caches, block_size, groups.layer_group)
         # Set by the engine when it has a tokenizer (grammars need its vocabulary).
         self.structured_output: StructuredOutputManager | None = None
@@ -111,15 +117,27 @@ class ModelRunner:
             ids.extend(r.token_ids[c : c + n])
             positions.extend(range(c, c + n))
             slot_parts.append(self._slots(row, c, n))
-        # Rows whose chunk reaches the end of their tokens sample a token.
+        # Rows whose chunk reaches the end of their tokens sample a token; after
+        # them, the rows whose logits score a next prompt token (prompt logprobs).
         sample_reqs: list[Request] = []
         logits_idx: list[int] = []
+        prompt_rows: list[tuple[Request, int, int]] = []  # (request, first position, count)
+        prompt_idx: list[int] = []
         t = 0
         for r, n in dec + pre:
+            c = r.num_computed_tokens
+            if r.prompt_logprobs_pending:
+                # Position p's logits score prompt token p + 1; those before
+                # len(prompt_logprobs) were scored before a preemption.
+                first, end = max(c, len(r.prompt_logprobs)), min(c + n, r.num_prompt_tokens - 1)
+                if first < end:
+                    prompt_rows.append((r, first, end - first))
+                    prompt_idx.extend(range(t + first - c, t + end - c))
             t += n
-            if r.num_computed_tokens + n == r.num_tokens:
+            if c + n == r.num_tokens:
                 sample_reqs.append(r)
                 logits_idx.append(t - 1)
+        logits_idx.extend(prompt_idx)
 
         def groups(items: list[tuple[Request, int]], rows: list[int]) -> list:
             if not items:
@@ -142,6 +160,7 @@ class ModelRunner:
             [metas[g] for g in self.groups.layer_group],
             torch.tensor(logits_idx, dtype=torch.long, device=dev) if logits_idx else None,
             sample_reqs,
+            prompt_rows,
         )
 
     def uses_decode_step(self, out: SchedulerOutput) -> bool:
@@ -170,14 +189,19 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         argmax = None
+        prompt_logprobs: list[tuple[Request, list[dict[int, float]]]] = []
         if self.uses_decode_step(out):
             sample_reqs = out.requests
             logits, argmax = self.decode_step(*self._decode_step_inputs(sample_reqs))
         else:
-            input_ids, positions, metas, logits_idx, sample_reqs = self.prepare(out)
+            input_ids, positions, metas, logits_idx, sample_reqs, prompt_rows = self.prepare(out)
             logits = self.model.forward(input_ids, positions, self.kv_caches, metas, logits_idx)
+            if prompt_rows:
+                ns = len(sample_reqs)
+                prompt_logprobs = _prompt_logprobs(logits[ns:], prompt_rows)
+                logits = logits[:ns] if ns else None
         if logits is None:
-            return ModelRunnerOutput([], [])
+            return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
         smeta = SamplingMetadata.build(
             params=[r.sampling_params for r in sample_reqs],
             generators=[r.generator for r in sample_reqs],
@@ -186,6 +210,7 @@ class ModelRunner:
             eos_token_ids=self.eos_token_ids,
             vocab_size=self.vocab_size,
             device=self.device,
+            default_generator=self.generator,
         )
         # Constrained rows' token masks: after the forward is issued, so on a GPU
         # the fill overlaps its kernels.
@@ -208,4 +233,36 @@ class ModelRunner:
                     logprobs.append(None)
                 else:
                     logprobs.append(dict(zip(row_ids[: k + 1], row_lp[: k + 1])))
-        return ModelRunnerOutput(sample_reqs, sampled, logprobs)
+        return ModelRunnerOutput(sample_reqs, sampled, logprobs, prompt_logprobs)
+
+
+# Rows of prompt logits turned into logprobs at a time: bounds the [rows, vocab]
+# fp32 temporaries (a 128k vocabulary: 64 MB) whatever the chunk size.
+_PROMPT_LOGPROB_ROWS = 128
+
+
+def _prompt_logprobs(logits: torch.Tensor, prompt_rows: list[tuple[Request, int, int]]
+                     ) -> list[tuple[Request, list[dict[int, float]]]]:
+    """Each (request, first position, count): {next prompt token: its logprob, the
+    top k: theirs} per position (log_softmax of the raw logits, as sampled tokens')."""
+    dev = logits.device
+    targets = [t for r, first, n in prompt_rows for t in r.token_ids[first + 1:first + 1 + n]]
+    tok = torch.tensor(targets, dtype=torch.long, device=dev)[:, None]
+    k = max(r.sampling_params.prompt_logprobs for r, _, _ in prompt_rows)
+    lps, ids = [], []
+    for s in range(0, logits.shape[0], _PROMPT_LOGPROB_ROWS):
+        lp = torch.log_softmax(logits[s:s + _PROMPT_LOGPROB_ROWS].float(), dim=-1)
+        t = tok[s:s + _PROMPT_LOGPROB_ROWS]
+        lps.append(lp.gather(1, t))
+        ids.append(t)
+        if k:
+            top = torch.topk(lp, min(k, lp.shape[1]), dim=-1)
+            lps[-1] = torch.cat([lps[-1], top.values], 1)
+            ids[-1] = torch.cat([t, top.indices], 1)
+    all_lp, all_ids = torch.cat(lps).tolist(), torch.cat(ids).tolist()
+    out, row = [], 0
+    for r, _, n in prompt_rows:
+        w = r.sampling_params.prompt_logprobs + 1
+        out.append((r, [dict(zip(all_ids[i][:w], all_lp[i][:w])) for i in range(row, row + n)]))
+        row += n
+    return out

@@ -90,6 +90,8 @@ class SamplingMetadata:
     filter_rows: torch.Tensor | None
     # Position within the random rows -> that request's generator.
     generators: dict[int, torch.Generator] = field(default_factory=dict)
+    # The other random rows' draws (None: torch's global generator).
+    default_generator: torch.Generator | None = None
     # Penalties, sparse: only (row, token) pairs that occur in a penalty row's
     # prompt or output are touched, never a dense [rows, V] tensor.
     no_penalties: bool = True
@@ -128,6 +130,7 @@ class SamplingMetadata:
         eos_token_ids: Collection[int],
         vocab_size: int,
         device: torch.device | str = "cpu",
+        default_generator: torch.Generator | None = None,
     ) -> SamplingMetadata:
         """Collect the step's per-request parameters into tensors.
 
@@ -215,6 +218,7 @@ class SamplingMetadata:
             max_top_k=max_top_k,
             filter_rows=filter_rows,
             generators=gens,
+            default_generator=default_generator,
         )
         if lp_rows:
             meta.max_num_logprobs = max_lp
@@ -359,7 +363,7 @@ class Sampler(torch.nn.Module):
             thr = thr_m if thr is None else torch.maximum(thr, thr_m)
         if thr is not None:
             weights.masked_fill_(logits < thr.unsqueeze(1), 0.0)
-        return _hierarchical_race(weights, meta.generators)
+        return _hierarchical_race(weights, meta.generators, meta.default_generator)
 
 
 def exp_weights(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -411,7 +415,8 @@ def _block_indices(block: torch.Tensor, v: int) -> torch.Tensor:
 
 
 def _hierarchical_race(
-    weights: torch.Tensor, generators: dict[int, torch.Generator]
+    weights: torch.Tensor, generators: dict[int, torch.Generator],
+    default: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Sample row i with probability weights[i] / weights[i].sum(), exactly.
 
@@ -428,7 +433,7 @@ def _hierarchical_race(
         mass = torch.cat([mass, weights[:, nb * BLOCK :].sum(dim=-1, keepdim=True)], 1)
     n_blocks = mass.shape[1]
     noise = torch.empty(rows, n_blocks + BLOCK, device=weights.device)
-    noise.exponential_()
+    noise.exponential_(generator=default)
     for row, gen in generators.items():
         noise[row].exponential_(generator=gen)
     noise.clamp_(min=_TINY)

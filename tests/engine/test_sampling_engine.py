@@ -117,3 +117,16 @@ def test_logprobs_returned(llm):
     assert final.outputs[0].logprobs == [lp for _, lp in seen]
     plain = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3))[0]
     assert plain.outputs[0].logprobs is None
+
+
+def test_engine_seed_makes_unseeded_sampling_repeat(tiny_config_path):
+    # vLLM's LLM(seed=...): requests without a seed of their own draw from the
+    # engine's stream, so a rerun of the same requests samples the same tokens.
+    def run(seed: int) -> list[list[int]]:
+        llm = LLM(model=tiny_config_path, load_format="dummy", skip_tokenizer_init=True,
+                  kv_cache_memory="1MiB", max_model_len=64, seed=seed)
+        p = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3], [4, 5]], p)]
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)

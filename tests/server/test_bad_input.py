@@ -165,7 +165,6 @@ CASES = [
     ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt"),
     ("/v1/completions", {"prompt": [10**9]}, 400, "vocabulary"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2000}, 400, "1024"),
-    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
     ("/v1/completions", {}, 400, "prompt"),
     ("/api/generate", {"model": "smollm2", "prompt": "hi", "options": {"num_predict": "x"}},
      400, "num_predict"),

@@ -102,6 +102,33 @@ def test_completions_prompt_forms_and_echo(client, real_server):
         assert r.usage.prompt_tokens == len(ids)
 
 
+def test_completions_echo_with_logprobs_scores_the_prompt(client):
+    # lm-evaluation-harness's log-likelihood request: the prompt's tokens and their
+    # logprobs first (the first token none), then the generated one.
+    r = client.completions.create(model="smollm2", prompt=COUNTING + " 5, 6", max_tokens=1,
+                                  temperature=0, echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    n = r.usage.prompt_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(n + 1)]
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    for tok, v, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert top[tok] == v and 1 <= len(top) <= 2
+    # A counting model is sure of the continuation it was shown: the last prompt
+    # token (" 6" after " 5,") is its greedy choice, scored as such.
+    assert lp.token_logprobs[n - 1] == max(lp.top_logprobs[n - 1].values())
+    # Streaming: the first chunk carries the echoed prompt's entries.
+    first = next(iter(client.completions.create(
+        model="smollm2", prompt=COUNTING + " 5, 6", max_tokens=1, temperature=0, echo=True,
+        logprobs=1, stream=True)))
+    assert first.choices[0].logprobs.token_logprobs == lp.token_logprobs
+    plain = client.completions.create(model="smollm2", prompt=COUNTING, max_tokens=2,
+                                      temperature=0, logprobs=1)
+    assert len(plain.choices[0].logprobs.tokens) == 2  # no echo: the output's only
+
+
 def test_n2_fans_out_with_distinct_seeds(client):
     r = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=8, n=2,
                                        temperature=1.0, seed=11)

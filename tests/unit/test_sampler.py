@@ -370,7 +370,7 @@ def test_masked_tokens_weigh_exactly_zero_at_any_temperature(monkeypatch):
     seen = []
     race = sampler_mod._hierarchical_race
     monkeypatch.setattr(sampler_mod, "_hierarchical_race",
-                        lambda w, g: seen.append(w.clone()) or race(w, g))
+                        lambda w, g, d=None: seen.append(w.clone()) or race(w, g, d))
     v = 3 * BLOCK
     logits = torch.randn(2, v) * 20
     logits[:, EOS] = 500.0  # the best logit in both rows, and masked in both

@@ -50,18 +50,26 @@ def finite(x: float | None) -> float:
     return x if x is not None and math.isfinite(x) else NEG
 
 
+def _entry(tid: int, lps: dict[int, float], k: int, with_sampled: bool) -> Entry:
+    top = sorted(lps.items(), key=lambda kv: -kv[1])[:k]
+    if with_sampled and all(t != tid for t, _ in top):
+        top.append((tid, lps.get(tid, NEG)))
+    return tid, finite(lps.get(tid)), [(t, finite(lp)) for t, lp in top]
+
+
 def entries(outs: Iterable[RequestOutput], k: int, with_sampled: bool = False) -> list[Entry]:
     """(token, logprob, top k) per new token of ``outs``; ``with_sampled``: the sampled
     token joins its top k when it is not among them (the completions API's up to
     logprobs + 1 entries)."""
-    found = []
-    for out in outs:
-        for tid, lps in zip(out.new_token_ids, out.new_logprobs or []):
-            top = sorted(lps.items(), key=lambda kv: -kv[1])[:k]
-            if with_sampled and all(t != tid for t, _ in top):
-                top.append((tid, lps.get(tid, NEG)))
-            found.append((tid, finite(lps.get(tid)), [(t, finite(lp)) for t, lp in top]))
-    return found
+    return [_entry(tid, lps, k, with_sampled) for out in outs
+            for tid, lps in zip(out.new_token_ids, out.new_logprobs or [])]
+
+
+def prompt_entries(out: RequestOutput, k: int) -> list[Entry]:
+    """The prompt's tokens after the first, as ``entries`` gives the sampled ones (the
+    completions API's echo with logprobs); ``out`` carries its prompt_logprobs."""
+    return [_entry(tid, lps, k, True)
+            for tid, lps in zip(out.prompt_token_ids[1:], (out.prompt_logprobs or [])[1:])]
 
 
 def token_logprobs(outs: Iterable[RequestOutput], k: int, names: TokenNames) -> list[dict]:

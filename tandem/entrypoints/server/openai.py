@@ -131,17 +131,17 @@ async def completions(request: Request):
         raise bad_request("suffix (fill-in-the-middle) is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (use n)", "best_of")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs needs prompt logprobs, which tandem does not "
-                          "compute", "echo")
     logprobs.check_top(req.logprobs, "logprobs")
     batch = isinstance(req.prompt, list) and bool(req.prompt) and \
         not isinstance(req.prompt[0], int)
     state.check_fan_out(req.n, len(req.prompt) if batch else 1)
     constraint = one_constraint(from_response_format(req.response_format),
                                 from_structured_outputs(req.structured_outputs))
+    # echo with logprobs: the prompt's tokens get theirs too (OpenAI's legacy API;
+    # what lm-evaluation-harness reads for log-likelihoods).
     params = _params(state, req, req.max_tokens if req.max_tokens is not None
-                     else COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs, constraint)
+                     else COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs, constraint,
+                     prompt_logprobs=req.logprobs if req.echo else None)
     prompts = await _completion_prompts(state, req.prompt)
     per_prompt = params.fan_out()
     echo = [await _echo_text(state, req.prompt, ids, i) if req.echo else "" for i, ids in
@@ -285,8 +285,8 @@ async def _chat_ids(state: ServerState, req: ChatCompletionRequest | TokenizeReq
 
 # ---------------------------------------------------------------- helpers
 def _params(state: ServerState, req: CompletionRequest | ChatCompletionRequest,
-            max_tokens: int | None, logprobs: int | None, constraint: Constraint | None
-            ) -> SamplingParams:
+            max_tokens: int | None, logprobs: int | None, constraint: Constraint | None,
+            prompt_logprobs: int | None = None) -> SamplingParams:
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM answer
@@ -300,6 +300,7 @@ def _params(state: ServerState, req: CompletionRequest | ChatCompletionRequest,
         ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         structured_outputs=constraint.params if constraint else None,
     )
 
@@ -391,15 +392,27 @@ class _View:
             out["choices"] = splits
         return out
 
-    def _completion_logprobs(self, index: int, outs: list[RequestOutput], k: int) -> dict:
+    def _completion_logprobs(self, index: int, outs: list[RequestOutput], k: int,
+                             echoed: RequestOutput | None = None) -> dict:
+        """``echoed``: the output holding the prompt's logprobs, whose tokens come
+        first (the first with none: nothing precedes it), offsets counted from 0."""
         tokens, token_lps, tops, offsets = [], [], [], []
         text = self._names.text
-        for tid, lp, top in logprobs.entries(outs, k, with_sampled=True):
+
+        def add(tid: int, lp: float | None, top: dict | None) -> None:
             tokens.append(text(tid))
             token_lps.append(lp)
-            tops.append({text(t): v for t, v in top})
+            tops.append(top)
             offsets.append(self._offsets[index])
             self._offsets[index] += len(tokens[-1])
+
+        if echoed is not None:
+            self._offsets[index] = 0
+            add(echoed.prompt_token_ids[0], None, None)
+            for tid, lp, top in logprobs.prompt_entries(echoed, k):
+                add(tid, lp, {text(t): v for t, v in top})
+        for tid, lp, top in logprobs.entries(outs, k, with_sampled=True):
+            add(tid, lp, {text(t): v for t, v in top})
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                 "text_offset": offsets}
 
@@ -418,9 +431,11 @@ class _View:
             prefix = echo[c.index // self.n]
             k = c.params.logprobs
             self._offsets[c.index] = len(prefix)
+            echoed = final if c.params.prompt_logprobs is not None else None
             choice = {
                 "index": c.index, "text": prefix + final.outputs[0].text,
-                "logprobs": None if k is None else self._completion_logprobs(c.index, c_outs, k),
+                "logprobs": None if k is None else self._completion_logprobs(
+                    c.index, c_outs, k, echoed),
                 "finish_reason": final.finish_reason, "stop_reason": final.outputs[0].stop_reason,
             }
             if self.return_token_ids:
@@ -437,9 +452,11 @@ class _View:
                 prefix = echo[index // self.n]
                 self._offsets[index] = len(prefix)
                 text = prefix + text
-            k = self.gen.choices[index].params.logprobs
-            return {"text": text,
-                    "logprobs": None if k is None else self._completion_logprobs(index, [out], k)}
+            params = self.gen.choices[index].params
+            k = params.logprobs
+            echoed = out if first and params.prompt_logprobs is not None else None
+            return {"text": text, "logprobs": None if k is None else self._completion_logprobs(
+                index, [out], k, echoed)}
 
         return self._chunks("text_completion", include_usage, body)
 
