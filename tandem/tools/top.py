@@ -248,6 +248,10 @@ def run(args: argparse.Namespace) -> int:
         watch(url, headers, args.timeout, args.once, Console())
     except KeyboardInterrupt:
         return 0
+    except httpx.TransportError as e:  # nothing answered: say where it looked
+        print(f"tandem top: error: cannot reach {args.url}: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        return 2
     except (TopError, DoctorError, httpx.HTTPError, ValueError) as e:
         print(f"tandem top: error: {e}", file=sys.stderr)
         return 2

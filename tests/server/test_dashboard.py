@@ -232,4 +232,4 @@ def test_top_says_why_it_cannot_watch(keyed_server, capsys):
     assert "doctor" in capsys.readouterr().out
     assert main(["top", "127.0.0.1:9", "--once", "--timeout", "2"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("tandem top: error:") and err.count("\n") == 1
+    assert err.startswith("tandem top: error: cannot reach 127.0.0.1:9") and err.count("\n") == 1
