@@ -98,13 +98,15 @@ class IncrementalDetokenizer:
         """The text not returned yet.
 
         Unfinished, it keeps back the last (longest stop - 1) characters, which
-        could be the start of a stop string. Finished, it releases everything,
-        including the replacement text of ids that never completed a UTF-8
-        character (e.g. max_tokens cut one in half), as `Tokenizer.decode` would.
+        could be the start of a stop string. Finished, it releases everything but
+        the half character the text may end in (max_tokens cut a character's
+        bytes): `Tokenizer.decode` ends such text in U+FFFD, a glyph no reader
+        wants; vLLM's and Ollama's streams never send it either.
         """
         if finished and self._pending and self.stop_reason is None and not self._flushed:
             self._flushed = True
-            self._append(self._flush_pending())
+            tail = self._flush_pending()
+            self._append(tail[:-1] if tail.endswith("\ufffd") else tail)
         if finished:
             delta, self._unsent = self._unsent, ""
             return delta
@@ -164,7 +166,8 @@ class IncrementalDetokenizer:
             return self._stream.step(self._tokenizer, token_id)
 
     def _flush_pending(self) -> str:
-        """Text of the trailing ids the stream still holds (it ends in U+FFFD)."""
+        """Text of the trailing ids the stream still holds (it ends in U+FFFD: the
+        bytes of an unfinished character, or invalid ones)."""
         ids = self._ids[-self._pending :]
         ctx = (self._context + self._ids[: -self._pending])[-_MIN_CONTEXT:]
         dec = self._tokenizer.decode

@@ -130,3 +130,16 @@ def test_engine_seed_makes_unseeded_sampling_repeat(tiny_config_path):
 
     assert run(7) == run(7)
     assert run(7) != run(8)
+
+
+def test_max_tokens_cutting_a_character_ends_the_text_before_it(llm):
+    # The regex makes the first output token a part of the emoji's bytes.
+    from tandem.sampling_params import StructuredOutputsParams
+
+    p = SamplingParams(max_tokens=1, structured_outputs=StructuredOutputsParams(regex="🌍🌍 ok"))
+    out = llm.generate(PROMPT, p)[0].outputs[0]
+    assert len(out.token_ids) == 1 and out.finish_reason == "length"
+    assert out.text == ""
+    whole = llm.generate(PROMPT, SamplingParams(max_tokens=8, structured_outputs=(
+        StructuredOutputsParams(regex="🌍🌍 ok"))))[0].outputs[0]
+    assert whole.text == "🌍🌍 ok"

@@ -49,7 +49,9 @@ def test_generate_streaming_one_object_per_token(client):
                                  options={"temperature": 0, "num_predict": 8}, raw=True))
     assert all(not p.done for p in parts[:-1]) and parts[-1].done
     assert parts[-1].done_reason == "length"
-    assert_counters(parts[-1], len(parts))
+    # Ollama's last object holds the counters and no text: one after the 8 tokens'.
+    assert parts[-1].response == "" and all(p.response for p in parts[:-1])
+    assert_counters(parts[-1], len(parts) - 1)
     assert "".join(p.response for p in parts) == " 4, 5, 6"
 
 
@@ -80,7 +82,9 @@ def test_chat_streaming_and_not_agree(client):
     parts = list(client.chat(model="smollm2:latest", messages=CHAT, stream=True,
                              options=GREEDY))
     assert "".join(p.message.content for p in parts) == whole.message.content
-    assert_counters(parts[-1], len(parts))
+    assert parts[-1].message.content == ""
+    # The end-of-turn token, not text, counts in eval_count with no object of its own.
+    assert_counters(parts[-1], len(parts) - (parts[-1].done_reason == "length"))
     assert parts[-1].done_reason == whole.done_reason
 
 
@@ -93,7 +97,9 @@ def test_no_num_predict_runs_until_the_model_stops(client):
                         options={"seed": 1})
     assert r.done_reason == "stop"
     show = client.show("smollm2")
-    assert show.parameters.splitlines()[1:] == ["temperature 0.8", "top_k 40", "top_p 0.9"]
+    assert show.parameters.splitlines()[1:4] == ["temperature 0.8", "top_k 40", "top_p 0.9"]
+    # the end-of-turn tokens, which clients such as Continue send back as stop strings
+    assert 'stop "<|im_end|>"' in show.parameters.splitlines()[4:]
     assert "PARAMETER temperature 0.8" in show.modelfile
 
 
@@ -111,6 +117,17 @@ def test_options_are_honoured(client):
     r = client.generate(model="smollm2", prompt="hi", stream=False, raw=True,
                         options={"num_predict": 3.0, "temperature": 0})
     assert r.eval_count == 3 and r.done_reason == "length"
+    # Values Ollama's runner reads, not refuses: num_predict <= 0 is no bound, top_p <= 0
+    # keeps the likeliest token (greedy), above 1 all of them.
+    greedy = client.chat(model="smollm2", messages=CHAT, stream=False,
+                         options={"temperature": 0})
+    for opts in ({"num_predict": 0, "temperature": 0}, {"num_predict": -5, "temperature": 0},
+                 {"top_p": 0, "temperature": 1.5},
+                 {"top_p": 1.5, "temperature": 0}):
+        r = client.chat(model="smollm2", messages=CHAT, stream=False, options=opts)
+        assert r.done_reason == "stop", opts
+        if "top_p" in opts:
+            assert r.message.content == greedy.message.content, opts
 
 
 def test_num_ctx_and_num_predict_are_bounds(client):
@@ -201,3 +218,7 @@ def test_pulling_the_served_model_succeeds_and_others_are_named(client):
 def test_empty_prompt_is_a_load_request(client):
     r = client.generate(model="smollm2", prompt="")
     assert r.done and r.done_reason == "load" and r.response == ""
+    # A UI's unload button: keep_alive 0 (the model stays loaded here all the same).
+    assert client.generate(model="smollm2", prompt="", keep_alive=0).done_reason == "unload"
+    assert client.chat(model="smollm2", messages=[], keep_alive="0s").done_reason == "unload"
+    assert client.generate(model="smollm2", prompt="", keep_alive="5m").done_reason == "load"

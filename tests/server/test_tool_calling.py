@@ -312,9 +312,11 @@ def test_ollama_tools_streamed_and_not(ollama_client):
 
 
 def test_ollama_tool_calls_have_an_id_and_index(real_server):
-    """Current Ollama's call fields (the SDK this suite pins predates them)."""
+    """Current Ollama's call fields (the SDK this suite pins predates them); a tool
+    without its "type", which Ollama does not require."""
+    untyped = [{"function": t["function"]} for t in TOOLS]
     r = httpx.post(f"{real_server.url}/api/chat", headers=real_server.headers, timeout=60,
-                   json={"model": "smollm2", "messages": HISTORY, "tools": TOOLS,
+                   json={"model": "smollm2", "messages": HISTORY, "tools": untyped,
                          "stream": False, "options": {"temperature": 0, "num_predict": 60}})
     [call] = r.json()["message"]["tool_calls"]
     assert call["id"].startswith("call_") and call["function"]["index"] == 0

@@ -80,17 +80,19 @@ def test_random_ids_match_decode(tokenizer):
         skip = trial % 3 != 0
         deltas, d, _ = stream(tokenizer, ids, skip_special_tokens=skip)
         ref = tokenizer.decode(ids, skip_special_tokens=skip)
-        assert "".join(deltas) == ref == d.text
+        # decode's text less the replacement of bytes the end left unfinished
+        assert "".join(deltas) == d.text and ref.startswith(d.text)
+        assert ref in (d.text, d.text + "\ufffd")
         if "\ufffd" not in ref:
             assert all("\ufffd" not in x for x in deltas)
 
 
-def test_cut_mid_character_flushes_at_finish(tokenizer):
-    ids = tokenizer.encode("ok 😀").ids
-    cut = ids[:-1]  # the emoji's last byte never arrives (e.g. max_tokens)
+def test_cut_mid_character_ends_before_it(tokenizer):
+    emoji = tokenizer.encode("ok 😀").ids
+    cut = emoji[:-1]  # the emoji's last byte never arrives (e.g. max_tokens)
+    assert tokenizer.decode(cut) == "ok \ufffd"
     deltas, d, _ = stream(tokenizer, cut)
-    assert all("\ufffd" not in x for x in deltas[:-1])
-    assert "".join(deltas) == tokenizer.decode(cut)
+    assert "".join(deltas) == d.text == "ok "
 
 
 def test_prompt_context_keeps_leading_space(tokenizer):

@@ -12,8 +12,9 @@ nanoseconds, taken from the engine's own phase timings:
   total - prompt_eval - eval is queueing plus server overhead;
 * load_duration: 0 — the model stays loaded, there is never a cold start.
 
-Streaming sends one NDJSON object per generated token, the last with
-``done: true`` and the counters, so eval_count equals the objects received.
+Streaming sends one NDJSON object per generated token, then Ollama's last
+object: ``done: true``, the counters and no text (a client may ignore a done
+object's content, as Open WebUI's did).
 A tool call arrives whole, in the object of the token that completes it, with
 its arguments as an object (Ollama's shape); its text is not sent as content.
 """
@@ -48,6 +49,7 @@ from tandem.entrypoints.server.protocol import (
     OllamaOptions,
     OllamaPullRequest,
     OllamaShowRequest,
+    keep_alive_seconds,
 )
 from tandem.entrypoints.server.reasoning import ReasoningParser
 from tandem.entrypoints.server.state import ServerState
@@ -84,6 +86,11 @@ def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def _modified(state: ServerState) -> str:
+    """The model file's time, one format on every route."""
+    return datetime.fromtimestamp(state.card.created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 @public.get("/")
 @public.head("/")
 async def root() -> PlainTextResponse:
@@ -112,9 +119,8 @@ def _details(state: ServerState) -> dict:
 async def tags(request: Request) -> dict:
     state = _state(request)
     c = state.card
-    modified = datetime.fromtimestamp(c.created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     return {"models": [
-        {"name": _tag(n), "model": _tag(n), "modified_at": modified, "size": c.size_bytes,
+        {"name": _tag(n), "model": _tag(n), "modified_at": _modified(state), "size": c.size_bytes,
          "digest": c.digest, "details": _details(state)}
         for n in c.names
     ]}
@@ -150,6 +156,10 @@ async def show(request: Request) -> dict:
     cfg = state.engine.model_info
     arch = c.family
     params = [f"num_ctx {c.max_model_len}", *state.defaults.ollama_parameters()]
+    if state.has_tokenizer:  # the model's end-of-turn tokens, as a Modelfile lists them
+        tok = state.tokenizer
+        params += [f"stop {json.dumps(tok.decode([i], skip_special_tokens=False))}"
+                   for i in sorted(tok.stop_token_ids)]
     return {
         "license": "",
         "modelfile": "".join([f"# served by tandem {__version__}\nFROM {c.root}\n",
@@ -168,7 +178,7 @@ async def show(request: Request) -> dict:
             f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
         },
         "capabilities": ["completion", "tools", *(["thinking"] if state.reasoning else [])],
-        "modified_at": datetime.fromtimestamp(c.created, timezone.utc).isoformat(),
+        "modified_at": _modified(state),
     }
 
 
@@ -205,6 +215,13 @@ for _path in UNSUPPORTED:
 
 
 # ------------------------------------------------------------- generation
+def _load_reason(req: OllamaGenerateRequest | OllamaChatRequest) -> str:
+    """An empty request's done_reason: "unload" when keep_alive is 0 (a UI's unload
+    button), else "load". The model stays loaded either way."""
+    unload = req.keep_alive is not None and keep_alive_seconds(req.keep_alive) == 0
+    return "unload" if unload else "load"
+
+
 @router.post("/api/generate")
 async def generate(request: Request):
     t0 = time.monotonic()
@@ -222,7 +239,7 @@ async def generate(request: Request):
         raise bad_request("raw mode does not support template, system, or context")
     if not req.prompt and not req.context:  # Ollama's "load the model" request
         return {"model": model, "created_at": _now(), "response": "", "done": True,
-                "done_reason": "load"}
+                "done_reason": _load_reason(req)}
     ids = list(req.context or [])
     prompt = req.prompt or ""
     if prompt:
@@ -245,7 +262,7 @@ async def chat(request: Request):
     if not req.messages:
         return {"model": model, "created_at": _now(),
                 "message": {"role": "assistant", "content": ""}, "done": True,
-                "done_reason": "load"}
+                "done_reason": _load_reason(req)}
     plan = plan_tools(req.tools, None, True,
                       state.tokenizer.chat_template if req.tools else None)
     messages = []
@@ -352,6 +369,10 @@ def _window(state: ServerState, opts: OllamaOptions | None) -> int:
     return min(num_ctx, window)
 
 
+# A top_p whose nucleus is the likeliest token alone (the mass ranked above it is 0).
+_KEEP_ONE_TOP_P = 1e-9
+
+
 def _params(state: ServerState, opts: OllamaOptions | None, prompt_len: int,
             logprobs: int | None, constraint: Constraint | None) -> SamplingParams:
     o = opts or OllamaOptions()
@@ -359,12 +380,8 @@ def _params(state: ServerState, opts: OllamaOptions | None, prompt_len: int,
     max_tokens = o.num_predict
     if max_tokens is None:
         max_tokens = open_ended_max_tokens(state, prompt_len, window)
-    elif max_tokens < 0:
-        if max_tokens not in (-1, -2):
-            raise bad_request(f"num_predict must be -1, -2 or positive, got {max_tokens}")
-        max_tokens = None  # -1: until the model stops; -2: until the context is full
-    elif max_tokens == 0:
-        raise bad_request("num_predict must be -1, -2 or positive, got 0")
+    elif max_tokens <= 0:  # Ollama's runner bounds a positive num_predict only
+        max_tokens = None  # -1 (documented): until the model stops; -2: the context is full
     # Checked here, in Ollama's names (the engine's own message speaks of max_tokens).
     if prompt_len >= window:
         if o.num_ctx is not None and o.num_ctx < state.card.max_model_len:
@@ -378,8 +395,11 @@ def _params(state: ServerState, opts: OllamaOptions | None, prompt_len: int,
         max_tokens = min(max_tokens, window - prompt_len)
     elif o.num_ctx is not None:
         max_tokens = window - prompt_len
+    top_p = o.top_p
+    if top_p is not None:  # llama.cpp's reading: <= 0 keeps the likeliest token, >= 1 all
+        top_p = min(max(top_p, _KEEP_ONE_TOP_P), 1.0)
     return make_sampling_params(
-        state, max_tokens, temperature=o.temperature, top_k=o.top_k, top_p=o.top_p,
+        state, max_tokens, temperature=o.temperature, top_k=o.top_k, top_p=top_p,
         min_p=o.min_p, seed=o.seed, stop=o.stop, repetition_penalty=o.repeat_penalty,
         presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
         logprobs=logprobs, structured_outputs=constraint.params if constraint else None,
@@ -486,10 +506,14 @@ class _View:
         want_lp = self.gen.choices[0].params.logprobs is not None
         try:
             async for _, out in self.gen:
-                obj = self._object(*self._stream_step(out))
+                text, calls, thinking = self._stream_step(out)
+                obj = self._object(text, calls, thinking)
                 if want_lp:
                     obj["logprobs"] = self._logprobs([out])
                 if out.finished:
+                    if text or calls or thinking or obj.get("logprobs"):
+                        yield _line(obj)  # the last token's object, then the done one
+                        obj = self._object("")
                     obj = self._finish(obj, out)
                 yield _line(obj)
         except Exception as e:  # after the 200 went out: an error object ends the stream

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 
 from tandem.entrypoints.server import logprobs
 from tandem.entrypoints.server.auth import require_api_key
-from tandem.entrypoints.server.errors import bad_request
+from tandem.entrypoints.server.errors import APIError, bad_request
 from tandem.entrypoints.server.generation import (
     Generation,
     given_max_tokens,
@@ -119,6 +119,13 @@ async def detokenize(request: Request) -> dict:
     if bad:
         raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
     return {"prompt": await state.off_loop(tok.decode, req.tokens, False)}
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request):
+    """A 501 that says so: a 404 reads as a wrong URL to a RAG client's user."""
+    raise APIError(501, "embeddings are not supported: this server generates text with "
+                   f"{_state(request).card.name}; run an embedding model elsewhere")
 
 
 # ------------------------------------------------------------ completions

@@ -21,6 +21,7 @@ import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -57,6 +58,36 @@ def _number(value: Any) -> Any:
 # a Go int64, as Ollama decodes it.
 _OptionInt = Annotated[int, BeforeValidator(_number),
                        Field(strict=False, ge=-(2**63), le=2**63 - 1)]
+
+# Go's time.ParseDuration, what Ollama reads a keep_alive string with ("5m", "1h30m",
+# "-1s", "0"), and a number of seconds as text.
+_GO_DURATION = re.compile(r"[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:ns|us|µs|ms|s|m|h))+|[+-]?0|"
+                          r"[+-]?(?:\d+\.?\d*|\.\d+)")
+
+
+def keep_alive_seconds(value: float | str) -> float:
+    """Seconds of a keep_alive (negative: forever), or ValueError for what Ollama refuses."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    if not _GO_DURATION.fullmatch(value.strip()):
+        raise ValueError(f'time: invalid duration "{value}"')
+    unit = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+    text = value.strip()
+    sign = -1.0 if text.startswith("-") else 1.0
+    parts = re.findall(r"(\d+\.?\d*|\.\d+)(ns|us|µs|ms|s|m|h)?", text)
+    return sign * sum(float(n) * unit[u or "s"] for n, u in parts)
+
+
+def _format(value: Any) -> Any:
+    if not isinstance(value, (str, dict)):
+        raise ValueError('must be "json" or a JSON schema (an object)')
+    return value
+
+
+def _keep_alive(value: Any) -> Any:
+    if isinstance(value, str):
+        keep_alive_seconds(value)  # refused here: a 400 naming keep_alive
+    return value
 
 
 B = TypeVar("B", bound=_Body)
@@ -105,6 +136,10 @@ class FunctionDefinition(_Body):
 class ChatTool(_Body):
     type: Literal["function"]
     function: FunctionDefinition
+
+
+class OllamaTool(ChatTool):
+    type: Literal["function"] = "function"  # Ollama does not require it
 
 
 class NamedFunction(_Body):
@@ -330,8 +365,9 @@ class _OllamaBody(_Body):
     model: str | None = None
     stream: bool = True
     options: OllamaOptions | None = None
-    format: str | dict[str, Any] | None = None
-    keep_alive: float | str | None = None  # the model always stays loaded
+    format: Annotated[str | dict[str, Any], BeforeValidator(_format)] | None = None
+    # The model always stays loaded; 0 answers an empty request "unload", as Ollama.
+    keep_alive: Annotated[float | str, AfterValidator(_keep_alive)] | None = None
     think: bool | str | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -369,7 +405,7 @@ class OllamaMessage(_Body):
 
 class OllamaChatRequest(_OllamaBody):
     messages: list[OllamaMessage] = Field(default_factory=list)
-    tools: list[ChatTool] | None = None
+    tools: list[OllamaTool] | None = None
     truncate: bool | None = None  # a history beyond the window loses its oldest turns
 
 
