@@ -125,7 +125,9 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
-    max_tokens: int | None = 16  # None: until the context window is full
+    # None: until the context window is full; 0: the prompt alone, no token generated
+    # (with prompt_logprobs: a text scored, as OpenAI's legacy echo with max_tokens 0).
+    max_tokens: int | None = 16
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -158,7 +160,7 @@ class SamplingParams:
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}.")
         if self.max_tokens is not None:
-            self._check_int("max_tokens", self.max_tokens, minimum=1)
+            self._check_int("max_tokens", self.max_tokens, minimum=0)
         self._check_int("min_tokens", self.min_tokens, minimum=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(

@@ -371,11 +371,8 @@ class LLMEngine:
             raise ValueError("an engine request is one sequence (n=1): fan n out with "
                              "SamplingParams.fan_out()")
         room = self.max_model_len - len(ids)
-        if params.max_tokens is None:
-            max_tokens = room
-        else:
-            max_tokens = params.max_tokens
-        if room < 1 or max_tokens > room:
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if max_tokens > room or (room < 1 and params.max_tokens != 0):  # 0: the prompt alone
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but "
                 f"{len(ids) + max(max_tokens, 1)} were requested ({len(ids)} in the prompt, "
@@ -540,20 +537,27 @@ class LLMEngine:
         outputs = []
         logprobs = result.logprobs or [None] * len(result.requests)
         for req, tok, lp in zip(result.requests, result.sampled_token_ids, logprobs):
-            outputs.append(self._append_token(req, tok, lp, now))
-        self.num_generation_tokens_total += len(result.requests)
+            out = self._append_token(req, tok, lp, now)
+            self.num_generation_tokens_total += len(out.new_token_ids)
+            outputs.append(out)
         return outputs
 
     def _append_token(
         self, req: Request, tok: int, logprobs: dict[int, float] | None, now: float
     ) -> EngineCoreOutput:
+        t = req.times
+        if t.first_token is None:  # the prompt's compute ends here
+            t.first_token = now
+            self.num_prompt_tokens_total += req.num_prompt_tokens
+        if req.max_tokens == 0:  # the prompt alone: nothing is kept of what it sampled
+            self._finish(req, RequestStatus.FINISHED_LENGTH)
+            self.requests.pop(req.request_id, None)
+            t.finished = now
+            return EngineCoreOutput(req, [], None, RequestStatus.FINISHED_LENGTH, None, 0, now,
+                                    False)
         req.append_token(tok)
         if logprobs is not None:
             req.logprobs.append(logprobs)
-        t = req.times
-        if t.first_token is None:
-            t.first_token = now
-            self.num_prompt_tokens_total += req.num_prompt_tokens
         t.last_token = now
         p = req.sampling_params
         n_out = req.num_output_tokens

@@ -71,6 +71,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def sampling_params_from_args(a: argparse.Namespace):
     from tandem.sampling_params import SamplingParams
 
+    if a.max_tokens < 1:  # the library's 0 (the prompt alone) prints nothing here
+        raise ValueError(f"max_tokens must be at least 1, got {a.max_tokens}")
     return SamplingParams(
         max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
         min_p=a.min_p, seed=a.sampling_seed, repetition_penalty=a.repetition_penalty,

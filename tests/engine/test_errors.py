@@ -120,7 +120,7 @@ def test_chat_takes_vllms_options(llm):
 
 
 @pytest.mark.parametrize("kwargs,field", [
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),
     ({"max_tokens": -3}, "max_tokens"),
     ({"temperature": -0.5}, "temperature"),
     ({"top_p": 0.0}, "top_p"),

@@ -102,3 +102,26 @@ def _close(a: list, b: list) -> bool:
         return False
     return all(x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-3 for t in x)
                for x, y in zip(a[1:], b[1:]))
+
+
+def test_max_tokens_0_scores_the_prompt_alone(llm):
+    engine = llm.engine
+    before = engine.num_generation_tokens_total
+    p = SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=1)
+    out = llm.generate(TEXT, p)[0]
+    assert out.finished and out.finish_reason == "length"
+    assert out.outputs[0].token_ids == [] and out.outputs[0].text == ""
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    scored = llm.generate(TEXT, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))
+    assert _close(out.prompt_logprobs, scored[0].prompt_logprobs)
+    assert engine.num_generation_tokens_total == before + 2  # none counted for the first
+    assert out.metrics.num_output_tokens == 0 and out.metrics.prefill_s > 0
+    assert not engine.has_unfinished_requests()
+    # A prompt that fills the window is scored; one token more is not.
+    window = engine.max_model_len
+    ids = (out.prompt_token_ids * (window // len(out.prompt_token_ids) + 1))[:window]
+    assert len(llm.generate([ids], p)[0].prompt_logprobs) == window
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate([ids + ids[:1]], p)
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate([ids], SamplingParams(max_tokens=None))

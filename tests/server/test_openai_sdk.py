@@ -127,6 +127,19 @@ def test_completions_echo_with_logprobs_scores_the_prompt(client):
     plain = client.completions.create(model="smollm2", prompt=COUNTING, max_tokens=2,
                                       temperature=0, logprobs=1)
     assert len(plain.choices[0].logprobs.tokens) == 2  # no echo: the output's only
+    # OpenAI's legacy scoring request: max_tokens 0 with echo, the prompt alone.
+    for stream in (False, True):
+        r = client.completions.create(model="smollm2", prompt=COUNTING + " 5, 6", max_tokens=0,
+                                      echo=True, logprobs=1, stream=stream)
+        parts = list(r) if stream else [r]
+        [choice] = [c for part in parts for c in part.choices]
+        assert choice.text == COUNTING + " 5, 6" and choice.finish_reason == "length"
+        assert choice.logprobs.token_logprobs == lp.token_logprobs[:-1]
+        assert stream or r.usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="smollm2", prompt=COUNTING, max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=0)
 
 
 def test_n2_fans_out_with_distinct_seeds(client):

@@ -420,7 +420,7 @@ def test_sampling_params_validation():
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
+        SamplingParams(max_tokens=-1)
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=5, max_tokens=4)
     with pytest.raises(ValueError, match="top_k"):
