@@ -5,6 +5,7 @@ Also /health, /version and the two kinds of log line.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import httpx
@@ -172,9 +173,18 @@ def test_head_probes_and_cors(start_server, tiny_config_path, server):
     site = {"Origin": "https://example.com"}
     assert httpx.options(f"{server.url}/v1/chat/completions",
                          headers={**site, **preflight}).status_code == 400
+    # Another site's page gets no answer and runs nothing, preflight or not (a text/plain
+    # POST needs none), in each API's error shape; the server's own pages may call it.
     r = httpx.get(f"{server.url}/v1/models", headers=site)
-    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    assert r.status_code == 403 and "--allowed-origins" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/api/generate", headers={**site, "Content-Type": "text/plain"},
+                   content=json.dumps({"prompt": "hi", "options": {"num_predict": 1}}))
+    assert r.status_code == 403 and "https://example.com" in r.json()["error"]
+    host = server.url.split("//")[1]
+    assert httpx.get(f"{server.url}/v1/models", headers={"Origin": f"http://{host}"}
+                     ).status_code == 200
     other = start_server(tiny_engine(tiny_config_path),
                          ServerConfig(allowed_origins=["https://example.com"]))
     r = httpx.options(f"{other.url}/api/chat", headers={**site, **preflight})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == site["Origin"]
+    assert httpx.get(f"{other.url}/v1/models", headers=site).status_code == 200

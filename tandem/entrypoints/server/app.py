@@ -13,6 +13,7 @@ import gc
 import logging
 import math
 import os
+import re
 import socket
 import threading
 import time
@@ -21,11 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.datastructures import State
+from starlette.datastructures import Headers, State
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
@@ -120,8 +122,9 @@ def build_app(engine: EngineClient | Loader, config: ServerConfig | None = None)
         app.state.tandem = _server_state(engine, config)
     app.add_middleware(_UntilReady, app_state=app.state)
     app.add_middleware(_NoUnhandledErrors)
-    # Outermost, so a browser's preflight is answered before the gate or a route's key.
     origins = config.allowed_origins
+    app.add_middleware(_OriginGate, origins=origins)
+    # Outermost, so a browser's preflight is answered before the gates or a route's key.
     app.add_middleware(CORSMiddleware, allow_origins=origins or [],
                        allow_origin_regex=None if origins else LOCAL_ORIGINS,
                        allow_methods=["*"], allow_headers=["*"])
@@ -226,6 +229,40 @@ async def _in_daemon_thread(load: Loader) -> tuple[EngineClient | None, BaseExce
 
     threading.Thread(target=run, name="tandem-load", daemon=True).start()
     return await done
+
+
+class _OriginGate:
+    """ASGI middleware: a request a browser sends for a page of another origin than
+    the server's own, and not one --allowed-origins (default: LOCAL_ORIGINS) admits,
+    gets a 403 before it runs, as Ollama answers it. CORS alone only keeps the answer
+    from such a page: a request that needs no preflight (a text/plain POST) still ran,
+    so any web site could drive generation on a server on localhost."""
+
+    def __init__(self, app: ASGIApp, origins: list[str] | None) -> None:
+        self.app = app
+        self.any = origins is not None and "*" in origins
+        self.exact = frozenset(origins or ())
+        self.pattern = None if origins else re.compile(LOCAL_ORIGINS)
+
+    def allowed(self, origin: str, hosts: tuple[str | None, ...]) -> bool:
+        if self.any or origin in self.exact or urlsplit(origin).netloc in hosts:
+            return True  # the last: the server's own pages (the dashboard), by any name
+        return self.pattern is not None and self.pattern.fullmatch(origin) is not None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS":  # preflights: CORS's
+            headers = Headers(scope=scope)
+            origin = headers.get("origin")
+            # its own name: Host, or the one a proxy that rewrote Host passes on
+            hosts = (headers.get("host"), headers.get("x-forwarded-host"))
+            if origin is not None and not self.allowed(origin, hosts):
+                message = (f"origin {origin} may not call this server: start it with "
+                           "--allowed-origins naming it")
+                err = APIError(403, message, error_type="permission_error",
+                               ollama_message=message)
+                await _render(Request(scope), err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _UntilReady:
