@@ -12,24 +12,38 @@ the server can run them in a thread while its event loop keeps serving.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
 
-# apply_chat_template's own arguments: chat_template_kwargs must not reach them.
-TEMPLATE_ARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+@cache
+def _template_args() -> frozenset[str]:
+    """The named arguments of transformers' template calls (apply_chat_template and the
+    renderer it passes its extra keywords on with): read from their signatures, so a
+    version that adds one (``sanitize_control_tokens``, ``conversations``) is covered."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.utils import chat_template_utils
+
+    names = {"messages"}
+    for fn in (PreTrainedTokenizerFast.apply_chat_template,
+               getattr(chat_template_utils, "render_jinja_template", None)):
+        if fn is not None:
+            names |= {p.name for p in inspect.signature(fn).parameters.values()
+                      if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
+    return frozenset(names)
 
 
 def check_template_kwargs(template_kwargs: dict[str, Any] | None) -> None:
     """ValueError if chat_template_kwargs would set one of the template call's own arguments."""
-    reserved = sorted((template_kwargs or {}).keys() & TEMPLATE_ARGS)
+    if not template_kwargs:
+        return
+    reserved = sorted(template_kwargs.keys() & _template_args())
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the "
                          "request's own fields do")

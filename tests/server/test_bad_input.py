@@ -17,6 +17,15 @@ from tandem.entrypoints.server.state import ServerState
 from tests.server.conftest import tiny_engine
 
 CHAT = [{"role": "user", "content": "hi"}]
+
+
+def _nested(depth: int) -> dict:
+    value: dict = {}
+    for _ in range(depth - 1):
+        value = {"a": value}
+    return value
+
+
 DEEP = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 LONE = "a\ud800b"  # a lone surrogate: valid JSON ("\\ud800"), not valid Unicode
 POST_ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
@@ -24,7 +33,7 @@ POST_ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tok
 OLLAMA = {"model": "smollm2", "prompt": "hi", "stream": False}
 
 CASES = [
-    *((path, DEEP, 400, "nested too deeply") for path in POST_ROUTES),
+    *((path, DEEP, 400, "nested deeper than 128") for path in POST_ROUTES),
     ("/v1/chat/completions", {"model": LONE, "messages": CHAT}, 400, "model contains a lone"),
     ("/v1/completions", {"prompt": LONE}, 400, "prompt contains a lone"),
     ("/v1/completions", {"prompt": ["ok", LONE]}, 400, "prompt[1] contains a lone"),
@@ -120,6 +129,12 @@ CASES = [
      "tools[1].name 'f' is given twice"),
     ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"tools": []}}, 400,
      "chat_template_kwargs may not set tools"),
+    ("/v1/responses", {"input": [{"type": ["message"], "role": "user", "content": "x"}]}, 400,
+     "input[0].type must be a string"),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"conversations": 5}},
+     400, "chat_template_kwargs may not set conversations"),
+    ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"x": _nested(500)}}, 400,
+     "nested deeper than 128"),
     ("/tokenize", {"messages": CHAT, "chat_template_kwargs": ["x"]}, 400,
      "chat_template_kwargs"),
     ("/v1/chat/completions", {"messages": CHAT, "temperature": [1]}, 400, "temperature"),
@@ -216,6 +231,13 @@ def test_bad_request_is_4xx_with_a_clear_message(real_server, path, body, status
     got, message = post_keeping_connection(real_server.url, path, body, real_server.headers)
     assert got == status, message
     assert words in message and "Traceback" not in message
+
+
+def test_a_body_within_the_depth_bound_is_served(real_server):
+    body = {"messages": CHAT, "max_tokens": 1, "chat_template_kwargs": {"x": _nested(120)}}
+    r = httpx.post(f"{real_server.url}/v1/chat/completions", json=body,
+                   headers=real_server.headers, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("field, value", [

@@ -4,6 +4,7 @@ the viewer cap; the API-key gate (header, login form, cookie); ``tandem top``.""
 from __future__ import annotations
 
 import re
+import socket
 import threading
 import time
 
@@ -151,6 +152,13 @@ def test_api_key_gate(keyed_server):
         assert "dashboard.js" not in r.text
         assert c.post("/dashboard", data={"key": "nope"}).status_code == 401
         assert c.post("/dashboard", content=b"key=" + b"x" * 5000).status_code == 413
+    # A form that says it is 300 MB is refused before a byte of it is read.
+    host, port = url.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /dashboard HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                  % (300 << 20))
+        assert s.recv(64).startswith(b"HTTP/1.1 413")
+    with httpx.Client(base_url=url, timeout=10) as c:
         # The right key in a form body: a cookie that is not the key, for /dashboard only.
         r = c.post("/dashboard", data={"key": API_KEY}, follow_redirects=False)
         assert r.status_code == 303 and r.headers["location"] == "/dashboard"

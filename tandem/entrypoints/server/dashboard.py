@@ -43,6 +43,7 @@ from tandem.diagnosis import LiveFigures, diagnose_live, verdict
 from tandem.engine.client import EngineStats, RequestState
 from tandem.entrypoints.server.auth import require_api_key
 from tandem.entrypoints.server.errors import APIError
+from tandem.entrypoints.server.protocol import read_bytes
 from tandem.entrypoints.server.state import ServerState
 from tandem.entrypoints.server.streaming import ClosingStreamingResponse
 
@@ -363,8 +364,9 @@ async def page(request: Request) -> Response:
 async def login(request: Request) -> Response:
     """The login form: the key in a POST body (never a URL), answered with the cookie."""
     key = request.app.state.tandem.api_key
-    body = await request.body()
-    if len(body) > 4096:
+    try:
+        body = await read_bytes(request, 4096)  # refused unread when it says it is larger
+    except APIError:
         return _login_page("The form was too large.", 413)
     given = parse_qs(body.decode("utf-8", "replace")).get("key", [""])[0]
     if not key:

@@ -422,13 +422,28 @@ class OllamaShowRequest(_Body):
 
 
 # ------------------------------------------------------------ reading bodies
-async def read_json(request: Request, max_bytes: int) -> dict:
-    """The request's JSON object, or a 4xx that says what is wrong with it.
+# Deeper bodies are a 400: json.loads reads ~990 levels, but a template or schema
+# walk past ~500 (chat_template_kwargs rendered by jinja) hit Python's recursion
+# limit, a 500. JSON schemas and tool arguments are a few levels deep.
+MAX_JSON_DEPTH = 128
 
-    The size bound is checked against Content-Length before reading and again
-    while reading (chunked bodies), so a huge body is refused without being
-    held in memory.
-    """
+
+def _deeper_than(body: Any, limit: int) -> bool:
+    """Whether the parsed body nests containers more than ``limit`` deep (no recursion)."""
+    stack = [(body, 1)] if isinstance(body, (dict, list)) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+async def read_bytes(request: Request, max_bytes: int) -> bytes:
+    """The request's body, or a 413: the bound is checked against Content-Length
+    before reading and again while reading (chunked bodies), so a huge body is
+    refused without being held in memory."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > max_bytes:
         raise APIError(413, f"request body of {int(length)} bytes exceeds the limit of "
@@ -438,14 +453,24 @@ async def read_json(request: Request, max_bytes: int) -> dict:
         buf += chunk
         if len(buf) > max_bytes:
             raise APIError(413, f"request body exceeds the limit of {max_bytes} bytes")
+    return bytes(buf)
+
+
+async def read_json(request: Request, max_bytes: int) -> dict:
+    """The request's JSON object, or a 4xx that says what is wrong with it."""
+    buf = await read_bytes(request, max_bytes)
     if not buf:
         raise APIError(400, "the request body is empty; send a JSON object")
     try:
         body = json.loads(buf)
+        deep = _deeper_than(body, MAX_JSON_DEPTH)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:
-        raise APIError(400, "the request body is nested too deeply") from None
+        deep = True
+    if deep:
+        raise APIError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} "
+                            "levels") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     if _SURROGATE_ESCAPE.search(buf):

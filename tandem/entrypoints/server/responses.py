@@ -149,7 +149,10 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         raise bad_request("input must not be empty", "input")
     thought = ""  # a reasoning item's text, for the assistant turn that follows it
     for i, raw in enumerate(req.input):
-        kind = raw.get("type", "message")
+        kind = raw.get("type") or "message"  # null, as left out: a message
+        if not isinstance(kind, str):
+            raise bad_request(f"input[{i}].type must be a string, got {type(kind).__name__}",
+                              f"input[{i}].type")
         if kind == "reasoning":
             thought = _reasoning_text(raw)
             continue
