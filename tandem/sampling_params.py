@@ -18,6 +18,9 @@ _SAMPLING_EPS = 1e-5
 # Top logprobs a token may ask for besides the sampled one: OpenAI's bound on
 # top_logprobs and vLLM's default max_logprobs.
 MAX_LOGPROBS = 20
+# A float32's smallest normal and largest values: the sampler divides logits by
+# the repetition penalty in float32, where 1e-300 is 0 (every logit inf).
+_FP32_TINY, _FP32_MAX = 1.1754944e-38, 3.4028235e38
 # A reasoning model's think block (Qwen3, QwQ, DeepSeek-R1): a grammar waits for its end.
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -151,9 +154,10 @@ class SamplingParams:
         self._check_float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         self._check_float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
         self._check_float("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0.0:
+        if not _FP32_TINY <= self.repetition_penalty <= _FP32_MAX:  # the sampler's fp32
             raise ValueError(
-                f"repetition_penalty must be greater than 0, got {self.repetition_penalty}."
+                f"repetition_penalty must be greater than 0 and within a float32's range "
+                f"({_FP32_TINY:.3g} to {_FP32_MAX:.3g}), got {self.repetition_penalty}."
             )
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}.")

@@ -118,6 +118,24 @@ def ascii_digits(regex: str) -> str:
     return "".join(out)
 
 
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _check_integer_bounds(schema: dict) -> None:
+    """ValueError for an integer's bound past 64 bits: llguidance clamps it to int64,
+    and the output breaks the bound the schema sets (a minimum of 1e308 gave
+    9223372036854775807)."""
+    kinds = schema.get("type")
+    if "integer" not in (kinds if isinstance(kinds, list) else [kinds]):
+        return
+    for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        v = schema.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and \
+                not _INT64[0] <= v <= _INT64[1]:
+            raise ValueError(f"an integer's {key} of {v} is past the 64-bit range "
+                             "structured outputs can enforce")
+
+
 def compiled_schema(schema: Any, in_all_of: bool = False) -> Any:
     """``schema`` as tandem compiles it: with ``"additionalProperties": false``
     on each object that lists its properties and says nothing of others, as
@@ -141,6 +159,7 @@ def compiled_schema(schema: Any, in_all_of: bool = False) -> Any:
             out[k] = compiled_schema(v)
     if isinstance(schema.get("pattern"), str):
         out["pattern"] = ascii_digits(schema["pattern"])
+    _check_integer_bounds(schema)
     if (not in_all_of and isinstance(schema.get("properties"), dict)
             and "additionalProperties" not in schema and "patternProperties" not in schema):
         out["additionalProperties"] = False
@@ -169,6 +188,12 @@ class GrammarFailedError(ValueError):
     lexer's or parser's size, on a valid but pathological schema or regex) or
     admits no token at all (a schema with no finite instance, e.g. a cycle of
     $refs). The request's own input is the cause: it alone ends."""
+
+
+def _compile_error(message: str) -> str:
+    """llguidance's compile error without the backtrace a Rust panic in it carries
+    (2.5 kB of frames and build paths; the panic's own line says what failed)."""
+    return message.split("<backtrace>", 1)[0].strip()
 
 
 def _failure(field: str, matcher) -> str:
@@ -346,13 +371,14 @@ class StructuredOutputManager:
             else:  # Lark, or GBNF (converted to Lark)
                 grammar = llg.grammar_from("grammar", text)
         except ValueError as e:
-            raise ValueError(f"structured_outputs.{field} cannot be compiled: {e}") from None
+            raise ValueError(f"structured_outputs.{field} cannot be compiled: "
+                             f"{_compile_error(str(e))}") from None
         tokenizer = self._ll_json_tokenizer if field in ("json", "json_object") \
             else self._ll_tokenizer
         matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(
-                f"structured_outputs.{field} cannot be compiled: {matcher.get_error().strip()}")
+            raise ValueError(f"structured_outputs.{field} cannot be compiled: "
+                             f"{_compile_error(matcher.get_error())}")
         return matcher
 
     # ---------------------------------------------------------- per step

@@ -233,6 +233,14 @@ def test_bad_request_is_4xx_with_a_clear_message(real_server, path, body, status
     assert words in message and "Traceback" not in message
 
 
+def test_a_bad_prompt_in_a_batch_is_not_counted_as_a_client_abort(real_server):
+    before = real_server.metric("tandem:request_aborts_total")
+    r = httpx.post(f"{real_server.url}/v1/completions", headers=real_server.headers, timeout=60,
+                   json={"prompt": [[1, 2], [10**6]], "max_tokens": 1})
+    assert r.status_code == 400 and "vocabulary" in r.text
+    assert real_server.metric("tandem:request_aborts_total") == before
+
+
 def test_a_body_within_the_depth_bound_is_served(real_server):
     body = {"messages": CHAT, "max_tokens": 1, "chat_template_kwargs": {"x": _nested(120)}}
     r = httpx.post(f"{real_server.url}/v1/chat/completions", json=body,
@@ -355,3 +363,14 @@ def test_an_unexpected_error_is_a_500_in_shape_on_a_kept_connection(
             assert status == 500 and message == "internal server error (RuntimeError)"
     assert "unhandled RuntimeError on POST /v1/completions: boom (" in caplog.records[0].message
     assert all(r.exc_info is None for r in caplog.records)  # one line, no traceback
+
+
+def test_ignored_fields_are_logged_in_one_bounded_line(caplog):
+    from tandem.entrypoints.server.protocol import CompletionRequest, parse_body
+
+    body = {"prompt": "x", "guided_choice": ["a", "b"], **{f"k{i}" * 50: 1 for i in range(5000)}}
+    with caplog.at_level(logging.WARNING, logger="tandem.entrypoints.server"):
+        parse_body(CompletionRequest, body)
+    [record] = [r for r in caplog.records if "ignored" in r.getMessage()]
+    line = record.getMessage()
+    assert len(line) < 1000 and "4990 more" in line and "guided_choice" not in line

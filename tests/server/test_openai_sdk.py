@@ -23,6 +23,10 @@ def test_models_lists_the_served_name_and_window(client):
     models = client.models.list().data
     assert [m.id for m in models] == ["smollm2"]
     assert models[0].max_model_len == 1024 and models[0].root.endswith(".gguf")
+    assert client.models.retrieve("smollm2:latest").id == "smollm2:latest"
+    r = httpx.get(str(client.base_url).rstrip("/") + "/models/",
+                  headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_chat_non_streaming_reports_usage_and_phase_split(client, real_server):
@@ -100,6 +104,10 @@ def test_completions_prompt_forms_and_echo(client, real_server):
                                       temperature=0, echo=True)
         assert r.choices[0].text == COUNTING + " 5, 6,"
         assert r.usage.prompt_tokens == len(ids)
+    # The prompt as sent, special tokens and all (a text prompt's echo keeps them too).
+    r = client.completions.create(model="smollm2", prompt=[1, *ids], max_tokens=1,
+                                  temperature=0, echo=True)
+    assert r.choices[0].text.startswith("<|im_start|>" + COUNTING)
 
 
 def test_completions_echo_with_logprobs_scores_the_prompt(client):

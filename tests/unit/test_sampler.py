@@ -429,8 +429,9 @@ def test_sampling_params_validation():
         SamplingParams(min_p=1.5)
     with pytest.raises(ValueError, match="presence_penalty"):
         SamplingParams(presence_penalty=2.5)
-    with pytest.raises(ValueError, match="repetition_penalty"):
-        SamplingParams(repetition_penalty=0.0)
+    for rp in (0.0, 1e-300, 1e300):  # 1e-300 is 0 in the sampler's float32
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            SamplingParams(repetition_penalty=rp)
     with pytest.raises(ValueError, match="stop"):
         SamplingParams(stop=["ok", ""])
     with pytest.raises(ValueError, match="seed"):

@@ -109,11 +109,23 @@ def test_one_compile_per_spec_and_keys_keep_property_order(manager):
     (SO(regex="[z-a]"), "regex"),
     (SO(grammar="start: undefined_rule"), "grammar"),
     (SO(grammar="root ::= ("), "grammar"),
+    # past int64: llguidance would clamp the bound and break it
+    (SO(json={"type": "integer", "minimum": 1e308}), "json"),
+    (SO(json={"type": "object", "properties": {"n": {"type": ["integer", "null"],
+                                                     "maximum": -(2**64)}}}), "json"),
 ])
 def test_a_spec_that_does_not_compile_names_its_field(manager, spec, field):
     with pytest.raises(ValueError, match=rf"^structured_outputs\.{field} cannot be compiled"):
         manager.new_request(spec)
     assert not manager._grammars  # nothing cached for it
+
+
+def test_a_grammar_past_llguidances_limits_is_refused_without_its_backtrace(manager):
+    # 100,000 terminals: an assertion (a Rust panic) in llguidance's compiler
+    text = "start: " + " ".join(['"a"'] * 100_000)
+    with pytest.raises(ValueError, match="cannot be compiled: panic") as e:
+        manager.new_request(SO(grammar=text))
+    assert "backtrace" not in str(e.value) and len(str(e.value)) < 300
 
 
 def test_gbnf_grammar_is_accepted(manager, tokenizer):

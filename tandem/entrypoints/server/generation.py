@@ -253,6 +253,10 @@ class Generation:
             log_finished(c.request_id, out)
 
     def _aborted(self, c: Choice) -> None:
+        if self._error is not None:  # a sibling's bad input or failure, not a client leaving
+            logger.info("req %s cancelled after %d output tokens: another part of its "
+                        "request failed (%s)", c.request_id, c.num_tokens, self._error)
+            return
         self.state.metrics.aborted()
         logger.info("req %s aborted after %d output tokens (client gone or request failed)",
                     c.request_id, c.num_tokens)

@@ -87,6 +87,8 @@ async def list_models(request: Request) -> dict:
 async def get_model(model: str, request: Request) -> dict:
     state = _state(request)
     if model not in state.card.names:
+        if not model:  # a request's empty model means the default; a model's id is a name
+            raise APIError(404, "no model named: GET /v1/models/<name>", code="model_not_found")
         state.check_model(model)
     return _model_entry(state, model)
 
@@ -184,7 +186,9 @@ async def _echo_text(state: ServerState, prompt: CompletionPrompt, ids: list[int
         return prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         return prompt[i]
-    return await state.off_loop(state.tokenizer.decode, ids) if state.has_tokenizer else ""
+    # the prompt as sent: its special tokens too, as a text prompt's echo keeps them
+    return await state.off_loop(state.tokenizer.decode, ids, False) if state.has_tokenizer \
+        else ""
 
 
 # ------------------------------------------------------------------- chat
