@@ -35,7 +35,7 @@ class CheckedStep:
     def __call__(self, tokens, block_table):
         reqs = self.reqs
         out = SchedulerOutput(list(reqs), [1] * len(reqs))
-        input_ids, positions, metas, _, _ = self.runner.prepare(out)
+        input_ids, positions, metas, *_ = self.runner.prepare(out)
         rows = torch.arange(len(reqs))
         want = self.runner.model.forward(input_ids, positions, self.runner.kv_caches, metas, rows)
         got, argmax = self.step(tokens, block_table)

@@ -287,8 +287,8 @@ def test_null_is_the_fields_default(real_server, path, body):
 
 
 def test_wrong_method_and_path(real_server):
-    assert httpx.get(f"{real_server.url}/v1/chat/completions",
-                     headers=real_server.headers).status_code == 405
+    r = httpx.get(f"{real_server.url}/v1/chat/completions", headers=real_server.headers)
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
     r = httpx.get(f"{real_server.url}/v1/nothing-here", headers=real_server.headers)
     assert r.status_code == 404 and r.json()["error"]["message"]
 

@@ -142,10 +142,16 @@ def test_an_exit_signal_ends_running_requests_in_their_api_error(tmp_path):
                     events[i].append(line[6:])
                     started.set()
 
+    def watch() -> None:  # a dashboard viewer: its feed ends with the server
+        with httpx.stream("GET", f"{url}/dashboard/events", timeout=60) as r:
+            for _ in r.iter_lines():
+                pass
+
     try:
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
         threads.append(threading.Thread(target=lambda: plain.append(httpx.post(
             f"{url}/v1/chat/completions", json=body, timeout=60))))
+        threads.append(threading.Thread(target=watch))
         for t in threads:
             t.start()
         assert started.wait(60)
@@ -162,6 +168,7 @@ def test_an_exit_signal_ends_running_requests_in_their_api_error(tmp_path):
     # uvicorn re-raises the caught SIGTERM once it has shut down (systemd counts that clean).
     assert proc.returncode in (0, -signal.SIGTERM) and "Traceback" not in out, out
     assert exited < 5, out  # within uvicorn's graceful timeout: nothing was cancelled
+    assert "graceful shutdown exceeded" not in out, out
     for ev in events:
         assert ev[-1] == "[DONE]", ev[-3:]
         assert "engine" in json.loads(ev[-2])["error"]["message"], ev[-2]

@@ -270,6 +270,7 @@ def test_errors_map_to_sdk_exceptions(client, real_server):
         bad.models.list()
     r = httpx.post(f"{real_server.url}/v1/chat/completions", json={"messages": CHAT})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert r.headers["www-authenticate"] == "Bearer"
     assert httpx.get(f"{real_server.url}/health").status_code == 200  # probes need no key
 
 

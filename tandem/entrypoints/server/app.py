@@ -304,7 +304,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> Response:
-        return _render(request, APIError(err.status_code, str(err.detail)))
+        return _render(request, APIError(err.status_code, str(err.detail),
+                                         headers=err.headers))  # a 405's Allow
 
 
 class _NoUnhandledErrors:
@@ -458,6 +459,7 @@ def run_server(load: Loader, config: ServerConfig, host: str, port: int,
                 drains.append(threading.Thread(target=_drain, args=(app.state.tandem,),
                                                name="tandem-drain", daemon=True))
                 drains[-1].start()
+            await app.state.dashboard.close()
             await super().shutdown(sockets)
 
     server = Server(uvicorn.Config(app, host=host, port=port, log_config=None,

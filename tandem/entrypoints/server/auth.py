@@ -21,4 +21,5 @@ async def require_api_key(request: Request) -> None:
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
         raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                       code="invalid_api_key", ollama_message="unauthorized")
+                       code="invalid_api_key", ollama_message="unauthorized",
+                       headers={"WWW-Authenticate": "Bearer"})  # RFC 6750's challenge

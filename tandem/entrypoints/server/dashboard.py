@@ -161,8 +161,16 @@ class Dashboard:
         self.viewers = 0
         self.frame = b""  # the latest frame, as sent
         self.ticks = 0
+        self.closed = False  # the server is shutting down: feeds end
         self._tick = asyncio.Condition()
         self._task: asyncio.Task | None = None
+
+    async def close(self) -> None:
+        """End every viewer's feed (on shutdown: an open feed held the exit for
+        uvicorn's whole graceful timeout, then was cancelled)."""
+        async with self._tick:
+            self.closed = True
+            self._tick.notify_all()
 
     @property
     def state(self) -> ServerState:
@@ -308,14 +316,16 @@ class Dashboard:
         seen = await self._next(self.ticks)
         if len(self.samples) < 2:
             seen = await self._next(seen)
+        if self.closed:
+            return
         yield _sse({"history": list(self.points)[:-1]}, event="history")
-        while True:
+        while not self.closed:
             yield self.frame
             seen = await self._next(seen)
 
     async def _next(self, seen: int) -> int:
         async with self._tick:
-            await self._tick.wait_for(lambda: self.ticks != seen)
+            await self._tick.wait_for(lambda: self.ticks != seen or self.closed)
             return self.ticks
 
 

@@ -305,6 +305,6 @@ def to_api_error(e: BaseException) -> APIError:
         return APIError(400, str(e))
     if isinstance(e, EngineDeadError):  # a failed step, or the engine shut down
         return APIError(503, f"the engine could not run this request: {e}",
-                        code="engine_unavailable")
+                        code="engine_unavailable", error_type="service_unavailable_error")
     logger.error("request failed: %s: %s", type(e).__name__, e)
     return APIError(500, f"internal error: {type(e).__name__}", code="internal_error")

@@ -300,9 +300,9 @@ def _params(state: ServerState, req: CompletionRequest | ChatCompletionRequest,
             prompt_logprobs: int | None = None) -> SamplingParams:
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
-    if max_tokens == 0 and not getattr(req, "echo", False):
-        raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt "
-                          "alone)", "max_tokens")
+    if max_tokens is not None and max_tokens < (0 if getattr(req, "echo", False) else 1):
+        raise bad_request(f"max_tokens must be at least 1 (0 only with echo: the prompt "
+                          f"alone), got {max_tokens}", "max_tokens")
     if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM answer
         raise bad_request("stream_options is only allowed when stream is true",
                           "stream_options")
