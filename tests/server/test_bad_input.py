@@ -293,6 +293,22 @@ def test_wrong_method_and_path(real_server):
     assert r.status_code == 404 and r.json()["error"]["message"]
 
 
+def test_a_body_that_stops_arriving_is_a_408(real_server, monkeypatch):
+    """Shorter than its Content-Length: answered once nothing came for the read timeout,
+    not held open forever (slowloris)."""
+    from tandem.entrypoints.server import protocol
+
+    monkeypatch.setattr(protocol, "BODY_READ_TIMEOUT_S", 0.5)
+    host, port = real_server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {real_server.api_key}\r\n".encode()
+            + b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        data = sock.recv(65536)
+    assert data.startswith(b"HTTP/1.1 408") and b"stopped arriving" in data
+
+
 def test_huge_declared_body_is_refused_before_reading(real_server):
     """Content-Length over the limit: 413 from the headers alone, no 100 MB upload."""
     host, port = real_server.url.removeprefix("http://").split(":")

@@ -15,6 +15,7 @@ for an integer, as Ollama's option decoding does.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -422,6 +423,10 @@ class OllamaShowRequest(_Body):
 
 
 # ------------------------------------------------------------ reading bodies
+# A body that stops arriving (shorter than its Content-Length, or trickled) is a
+# 408 after this long without a byte, as nginx's client_body_timeout: each one
+# held a connection and its handler forever.
+BODY_READ_TIMEOUT_S = 60.0
 # Deeper bodies are a 400: json.loads reads ~990 levels, but a template or schema
 # walk past ~500 (chat_template_kwargs rendered by jinja) hit Python's recursion
 # limit, a 500. JSON schemas and tool arguments are a few levels deep.
@@ -449,11 +454,18 @@ async def read_bytes(request: Request, max_bytes: int) -> bytes:
         raise APIError(413, f"request body of {int(length)} bytes exceeds the limit of "
                             f"{max_bytes} bytes")
     buf = bytearray()
-    async for chunk in request.stream():
+    chunks = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(chunks.__anext__(), BODY_READ_TIMEOUT_S)
+        except StopAsyncIteration:
+            return bytes(buf)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body stopped arriving ({len(buf)} bytes in, "
+                                f"none for {BODY_READ_TIMEOUT_S:.0f} s)") from None
         buf += chunk
         if len(buf) > max_bytes:
             raise APIError(413, f"request body exceeds the limit of {max_bytes} bytes")
-    return bytes(buf)
 
 
 async def read_json(request: Request, max_bytes: int) -> dict:
