@@ -3,7 +3,8 @@
 Per step the host work is O(requests) Python plus O(tokens) list building for
 prefill chunks (those tokens have to reach the model anyway); every per-layer
 index or mask tensor is built here once and shared by all layers. The only
-host synchronisation is the final ``.tolist()`` of the sampled ids.
+host synchronisation is the final ``.tolist()`` of the sampled ids (and, in a
+step that scores prompt tokens for prompt logprobs, one for those).
 """
 
 from __future__ import annotations
