@@ -353,6 +353,10 @@ class EngineConfig:
                     raise ValueError(f"{flag} must be >= {meta['minimum']}, got {value}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        # torch's generators take a signed 64-bit seed (more: an error after the load)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or \
+                not -(2**63) <= self.seed < 2**63:
+            raise ValueError(f"--seed must be a 64-bit integer, got {self.seed!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"

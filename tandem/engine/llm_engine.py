@@ -373,10 +373,11 @@ class LLMEngine:
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if max_tokens > room or (room < 1 and params.max_tokens != 0):  # 0: the prompt alone
+            want = 0 if params.max_tokens == 0 else max(max_tokens, 1)
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{len(ids) + max(max_tokens, 1)} were requested ({len(ids)} in the prompt, "
-                f"{max(max_tokens, 1)} for the completion); shorten the prompt or lower max_tokens"
+                f"{len(ids) + want} were requested ({len(ids)} in the prompt, "
+                f"{want} for the completion); shorten the prompt or lower max_tokens"
             )
         generator = None
         if params.seed is not None:

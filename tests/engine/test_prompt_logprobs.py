@@ -121,7 +121,8 @@ def test_max_tokens_0_scores_the_prompt_alone(llm):
     window = engine.max_model_len
     ids = (out.prompt_token_ids * (window // len(out.prompt_token_ids) + 1))[:window]
     assert len(llm.generate([ids], p)[0].prompt_logprobs) == window
-    with pytest.raises(ValueError, match="maximum context length"):
+    with pytest.raises(ValueError, match=rf"{window + 1} were requested \({window + 1} in the "
+                       r"prompt, 0 for the completion\)"):
         llm.generate([ids + ids[:1]], p)
     with pytest.raises(ValueError, match="maximum context length"):
         llm.generate([ids], SamplingParams(max_tokens=None))

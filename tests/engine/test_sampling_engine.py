@@ -130,6 +130,9 @@ def test_engine_seed_makes_unseeded_sampling_repeat(tiny_config_path):
 
     assert run(7) == run(7)
     assert run(7) != run(8)
+    for bad in ("x", True, 1.5, 2**64):  # refused before the load, naming the flag
+        with pytest.raises(ValueError, match="--seed must be a 64-bit integer"):
+            LLM(model=tiny_config_path, load_format="dummy", seed=bad)
 
 
 def test_max_tokens_cutting_a_character_ends_the_text_before_it(llm):

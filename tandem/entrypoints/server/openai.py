@@ -300,6 +300,11 @@ def _params(state: ServerState, req: CompletionRequest | ChatCompletionRequest,
             prompt_logprobs: int | None = None) -> SamplingParams:
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
+    if req.prompt_logprobs is not None:  # ignored, a scoring client would read no scores
+        raise bad_request("prompt_logprobs (vLLM's field) is not offered over HTTP: send "
+                          "/v1/completions with echo and logprobs (the prompt's tokens come "
+                          "first), or use the Python API's SamplingParams.prompt_logprobs",
+                          "prompt_logprobs")
     if max_tokens is not None and max_tokens < (0 if getattr(req, "echo", False) else 1):
         raise bad_request(f"max_tokens must be at least 1 (0 only with echo: the prompt "
                           f"alone), got {max_tokens}", "max_tokens")

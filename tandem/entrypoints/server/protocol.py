@@ -211,6 +211,7 @@ class _OpenAISampling(_Body):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     return_token_ids: bool = False
+    prompt_logprobs: Any = None  # vLLM's; refused with what to send instead (openai.py)
 
 
 class CompletionRequest(_OpenAISampling):
