@@ -150,6 +150,27 @@ def test_completions_echo_with_logprobs_scores_the_prompt(client):
         client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=0)
 
 
+def test_echoed_logprobs_index_the_text_and_keep_every_alternative(client):
+    """Characters over several tokens (each alone decodes to U+FFFD): offsets still
+    index the echoed text, and the parts are named OpenAI's way (bytes:\\xNN), so no
+    two alternatives share a key and a top-1 check (lm-evaluation-harness's greedy
+    test) reads the real top value."""
+    text = "Héllo wörld, 日本語のテキスト, emoji 🌟🚀 done."
+    r = client.completions.create(model="smollm2", prompt=text, max_tokens=2, temperature=0,
+                                  echo=True, logprobs=3)
+    c = r.choices[0]
+    lp = c.logprobs
+    assert c.text.startswith(text)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(c.text)
+    parts = [t for t in lp.tokens if t.startswith("bytes:")]
+    assert parts  # the emoji and the CJK characters span tokens
+    for tok, at in zip(lp.tokens, lp.text_offset):
+        if not tok.startswith("bytes:"):
+            assert c.text[at:at + len(tok)] == tok.lstrip(" ") or c.text[at:].startswith(tok)
+    for v, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert len(top) >= 3 and v <= max(top.values()) + 1e-6
+
+
 def test_n2_fans_out_with_distinct_seeds(client):
     r = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=8, n=2,
                                        temperature=1.0, seed=11)

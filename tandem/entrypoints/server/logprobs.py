@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from functools import cached_property
 
+from tandem.core.detokenizer import IncrementalDetokenizer
 from tandem.entrypoints.server.errors import bad_request
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import MAX_LOGPROBS
@@ -32,11 +34,37 @@ class TokenNames:
 
     def __init__(self, tok: Tokenizer | None) -> None:
         self.tok = tok
+        self._names: dict[int, str] = {}
 
     def text(self, tid: int) -> str:
         if self.tok is None:
             return f"token_id:{tid}"
         return self.tok.decode([tid], skip_special_tokens=False)
+
+    def name(self, tid: int) -> str:
+        """A token's key in the completions API's logprobs: its text as it reads after
+        other text (a SentencePiece word-start keeps its space: alone it decodes
+        without, and two tokens shared a key), or OpenAI's ``bytes:\\xNN`` spelling
+        for a part of a character (alone, every such part decodes to U+FFFD)."""
+        if self.tok is None:
+            return self.text(tid)
+        name = self._names.get(tid)
+        if name is None:
+            dec = self.tok.decode
+            name = dec([self._anchor, tid], skip_special_tokens=False)[len(self._anchor_text):]
+            if "\ufffd" in name:
+                name = "bytes:" + "".join(f"\\x{b:02x}" for b in self.tok.token_bytes(tid))
+            self._names[tid] = name
+        return name
+
+    @cached_property
+    def _anchor(self) -> int:
+        """A token that ends a word, decoded before each named one (see ``name``)."""
+        return self.tok.encode("a")[-1]
+
+    @cached_property
+    def _anchor_text(self) -> str:
+        return self.tok.decode([self._anchor], skip_special_tokens=False)
 
     def bytes(self, tid: int, text: str) -> list[int]:
         """OpenAI's ``bytes`` of the token whose ``text`` this is: its own, so the parts
@@ -80,3 +108,45 @@ def token_logprobs(outs: Iterable[RequestOutput], k: int, names: TokenNames) -> 
 
     return [{**one(t, lp), "top_logprobs": [one(u, v) for u, v in top]}
             for t, lp, top in entries(outs, k)]
+
+
+class TextOffsets:
+    """Where each token of a completion's logprobs begins in the choice's text (the
+    completions API's ``text_offset``): the echoed prompt's tokens walked along the
+    echo, the output's along their own decode in the prompt's context, as the
+    reply's text is made. A part of a character begins where the character does; a
+    token the echo does not hold (a BOS the tokenizer added) adds nothing."""
+
+    def __init__(self, tok: Tokenizer | None, prompt_ids: list[int], echo: str,
+                 walk_prompt: bool, skip_special_tokens: bool) -> None:
+        self.pos = 0 if walk_prompt else len(echo)
+        self._echo = echo
+        self._in_prompt = walk_prompt
+        self._prompt = self._output = None
+        if tok is not None:
+            self._prompt = IncrementalDetokenizer(tok.backend, skip_special_tokens=False)
+            self._output = IncrementalDetokenizer(tok.backend, prompt_token_ids=prompt_ids,
+                                                  skip_special_tokens=skip_special_tokens)
+
+    def prompt_token(self, tid: int, name: str) -> int:
+        at = self.pos
+        piece = self._piece(self._prompt, tid, name)
+        if self._echo.startswith(piece, at):
+            self.pos += len(piece)
+        elif at == 0 and self._echo.startswith(piece.lstrip(" ")):  # the text's first word
+            self.pos += len(piece.lstrip(" "))
+        return at
+
+    def output_token(self, tid: int, name: str) -> int:
+        if self._in_prompt:  # the echo ends here, whatever its tokens added up to
+            self.pos, self._in_prompt = len(self._echo), False
+        at = self.pos
+        self.pos += len(self._piece(self._output, tid, name))
+        return at
+
+    @staticmethod
+    def _piece(detok: IncrementalDetokenizer | None, tid: int, name: str) -> str:
+        if detok is None:  # no tokenizer: the names are all there is
+            return name
+        detok.add_token(tid)
+        return detok.take_delta(finished=False)

@@ -375,7 +375,7 @@ class _View:
         self.n = n  # choices per prompt
         self.return_token_ids = return_token_ids
         self.created = int(time.time())
-        self._offsets = [0] * len(gen.choices)
+        self._offsets: list[logprobs.TextOffsets | None] = [None] * len(gen.choices)
         self._parsers = [plan.parser() if plan else None for _ in gen.choices]
         self._reasoners = reasoners or [None] * len(gen.choices)
 
@@ -414,26 +414,31 @@ class _View:
     def _completion_logprobs(self, index: int, outs: list[RequestOutput], k: int,
                              echoed: RequestOutput | None = None) -> dict:
         """``echoed``: the output holding the prompt's logprobs, whose tokens come
-        first (the first with none: nothing precedes it), offsets counted from 0."""
+        first (the first with none: nothing precedes it)."""
         tokens, token_lps, tops, offsets = [], [], [], []
-        text = self._names.text
+        name, at = self._names.name, self._offsets[index]
 
-        def add(tid: int, lp: float | None, top: dict | None) -> None:
-            tokens.append(text(tid))
+        def add(tid: int, lp: float | None, top: list | None, offset: int) -> None:
+            tokens.append(name(tid))
             token_lps.append(lp)
-            tops.append(top)
-            offsets.append(self._offsets[index])
-            self._offsets[index] += len(tokens[-1])
+            tops.append(None if top is None else {name(t): v for t, v in top})
+            offsets.append(offset)
 
         if echoed is not None:
-            self._offsets[index] = 0
-            add(echoed.prompt_token_ids[0], None, None)
+            first = echoed.prompt_token_ids[0]
+            add(first, None, None, at.prompt_token(first, name(first)))
             for tid, lp, top in logprobs.prompt_entries(echoed, k):
-                add(tid, lp, {text(t): v for t, v in top})
+                add(tid, lp, top, at.prompt_token(tid, name(tid)))
         for tid, lp, top in logprobs.entries(outs, k, with_sampled=True):
-            add(tid, lp, {text(t): v for t, v in top})
+            add(tid, lp, top, at.output_token(tid, name(tid)))
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                 "text_offset": offsets}
+
+    def _start_offsets(self, index: int, echo: str) -> None:
+        c = self.gen.choices[index]
+        self._offsets[index] = logprobs.TextOffsets(
+            self.state.engine.tokenizer, c.prompt_ids, echo, c.params.prompt_logprobs is not None,
+            c.params.skip_special_tokens)
 
     def _chat_logprobs(self, outs: list[RequestOutput], k: int) -> dict:
         return {"content": logprobs.token_logprobs(outs, k, self._names)}
@@ -449,7 +454,7 @@ class _View:
             final = c_outs[-1]
             prefix = echo[c.index // self.n]
             k = c.params.logprobs
-            self._offsets[c.index] = len(prefix)
+            self._start_offsets(c.index, prefix)
             echoed = final if c.params.prompt_logprobs is not None else None
             choice = {
                 "index": c.index, "text": prefix + final.outputs[0].text,
@@ -469,7 +474,7 @@ class _View:
             text = out.delta_text
             if first:  # echo: the prompt precedes the first token's text
                 prefix = echo[index // self.n]
-                self._offsets[index] = len(prefix)
+                self._start_offsets(index, prefix)
                 text = prefix + text
             params = self.gen.choices[index].params
             k = params.logprobs
