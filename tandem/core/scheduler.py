@@ -160,7 +160,10 @@ class Scheduler:
                 kv_full = True
                 break
             self.waiting.remove(req)
-            kv.prefix_cache_queries += req.num_tokens
+            # A prompt scored for its logprobs never looks: no query (a scoring load
+            # would read as a 0% hit rate).
+            if not req.prompt_logprobs_pending:
+                kv.prefix_cache_queries += req.num_tokens
             kv.prefix_cache_hits += num_hit
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:

@@ -41,7 +41,9 @@ def test_prompt_logprobs_are_each_prompt_tokens_logprob_and_the_top_k(llm):
 
 def test_a_cached_prefix_is_computed_again_for_prompt_logprobs(llm):
     p = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)
+    queries = llm.engine.kv_manager.prefix_cache_queries
     first = llm.generate(TEXT + " And Spain?", p)[0]
+    assert llm.engine.kv_manager.prefix_cache_queries == queries  # it did not look
     again = llm.generate(TEXT + " And Spain?", p)[0]
     assert again.metrics.num_cached_tokens == 0
     assert _close(again.prompt_logprobs, first.prompt_logprobs)
