@@ -20,9 +20,9 @@ def _is_token(x: object) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | Sequence[int]]:
-    """One prompt or a sequence of them, each as the engine takes it. A dict was
-    iterated as a sequence: its key names became the prompts."""
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt or a sequence of them. A dict was iterated as a sequence: its key
+    names became the prompts."""
     if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, Sequence) and prompts and _is_token(prompts[0])):
         prompts = [prompts]
@@ -31,10 +31,11 @@ def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | Sequence[int]
                          f"prompt_token_ids) or a list of them, got {type(prompts).__name__}")
     if not prompts:
         raise ValueError("no prompts given")
-    return [_prompt(p) for p in prompts]
+    return list(prompts)
 
 
 def _prompt(p: Prompt) -> str | Sequence[int]:
+    """What the engine tokenizes or takes: a dict's ids when it has them, else its text."""
     if not isinstance(p, dict):
         return p
     other = sorted(k for k, v in p.items() if k not in ("prompt", "prompt_token_ids")
@@ -78,8 +79,12 @@ class LLM:
                     f"{len(params)} sampling params for {len(prompts)} prompts"
                 )
         engine = self.engine
-        groups = [[engine.make_request(p, one) for one in checked_params(sp).fan_out()]
+        groups = [[engine.make_request(_prompt(p), one) for one in checked_params(sp).fan_out()]
                   for p, sp in zip(prompts, params)]
+        for p, group in zip(prompts, groups):
+            if isinstance(p, dict) and isinstance(p.get("prompt"), str):
+                for r in group:  # ids with their text: RequestOutput.prompt keeps the text
+                    r.prompt = p["prompt"]
         reqs = [r for group in groups for r in group]
         done: dict[str, RequestOutput] = {}
         bar = _progress(len(reqs)) if use_tqdm else None

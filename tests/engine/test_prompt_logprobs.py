@@ -36,6 +36,8 @@ def test_prompt_logprobs_are_each_prompt_tokens_logprob_and_the_top_k(llm):
     # Asked for nothing: none computed; token-id prompts carry no text.
     plain = llm.generate([ids], SamplingParams(temperature=0, max_tokens=3))[0]
     assert plain.prompt_logprobs is None and plain.prompt is None
+    both = llm.generate({"prompt": TEXT, "prompt_token_ids": ids}, SamplingParams(max_tokens=1))
+    assert both[0].prompt == TEXT and both[0].prompt_token_ids == ids
     assert plain.outputs[0].token_ids == out.outputs[0].token_ids
 
 
