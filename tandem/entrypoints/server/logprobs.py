@@ -11,12 +11,14 @@ import math
 from collections.abc import Iterable
 from functools import cached_property
 
-from tandem.core.detokenizer import IncrementalDetokenizer
+from tokenizers.decoders import DecodeStream
+
 from tandem.entrypoints.server.errors import bad_request
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import MAX_LOGPROBS
 from tandem.tokenizer import Tokenizer
 
+_CONTEXT = 8  # prompt ids an output decode starts after
 NEG = -9999.0  # vLLM's stand-in for -inf: JSON has no infinities
 
 Entry = tuple[int, float, list[tuple[int, float]]]  # (token id, logprob, its top k)
@@ -113,7 +115,7 @@ def token_logprobs(outs: Iterable[RequestOutput], k: int, names: TokenNames) -> 
 class TextOffsets:
     """Where each token of a completion's logprobs begins in the choice's text (the
     completions API's ``text_offset``): the echoed prompt's tokens walked along the
-    echo, the output's along their own decode in the prompt's context, as the
+    echo, the output's along their own decode after the prompt's last tokens, as the
     reply's text is made. A part of a character begins where the character does; a
     token the echo does not hold (a BOS the tokenizer added) adds nothing."""
 
@@ -122,11 +124,13 @@ class TextOffsets:
         self.pos = 0 if walk_prompt else len(echo)
         self._echo = echo
         self._in_prompt = walk_prompt
+        self._tok = tok
         self._prompt = self._output = None
         if tok is not None:
-            self._prompt = IncrementalDetokenizer(tok.backend, skip_special_tokens=False)
-            self._output = IncrementalDetokenizer(tok.backend, prompt_token_ids=prompt_ids,
-                                                  skip_special_tokens=skip_special_tokens)
+            self._prompt = DecodeStream(skip_special_tokens=False)
+            self._output = DecodeStream(skip_special_tokens=skip_special_tokens)
+            for t in prompt_ids[-_CONTEXT:]:  # a word start after them keeps its space
+                self._step(self._output, t)
 
     def prompt_token(self, tid: int, name: str) -> int:
         at = self.pos
@@ -144,9 +148,13 @@ class TextOffsets:
         self.pos += len(self._piece(self._output, tid, name))
         return at
 
-    @staticmethod
-    def _piece(detok: IncrementalDetokenizer | None, tid: int, name: str) -> str:
-        if detok is None:  # no tokenizer: the names are all there is
-            return name
-        detok.add_token(tid)
-        return detok.take_delta(finished=False)
+    def _piece(self, stream: DecodeStream | None, tid: int, name: str) -> str:
+        """The text the token adds (none for a part of a character: its last part adds
+        the character); without a tokenizer, its name."""
+        return name if stream is None else self._step(stream, tid)
+
+    def _step(self, stream: DecodeStream, tid: int) -> str:
+        try:
+            return stream.step(self._tok.backend, tid) or ""
+        except Exception:  # tokenizers' "Invalid prefix" around invalid UTF-8: no offset move
+            return ""
