@@ -296,36 +296,37 @@ def test_wrong_method_and_path(real_server):
     assert r.status_code == 404 and r.json()["error"]["message"]
 
 
+def _partial_post(server, length: int, body: bytes, until: bytes) -> bytes:
+    """A POST that says it is ``length`` bytes and sends ``body``: the answer, read
+    until ``until`` shows or the server closes."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {server.api_key}\r\n".encode()
+            + f"Content-Length: {length}\r\n\r\n".encode() + body)
+        data = b""
+        while until not in data:
+            part = sock.recv(65536)
+            if not part:
+                break
+            data += part
+    return data
+
+
 def test_a_body_that_stops_arriving_is_a_408(real_server, monkeypatch):
     """Shorter than its Content-Length: answered once nothing came for the read timeout,
     not held open forever (slowloris)."""
     from tandem.entrypoints.server import protocol
 
     monkeypatch.setattr(protocol, "BODY_READ_TIMEOUT_S", 0.5)
-    host, port = real_server.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Authorization: Bearer {real_server.api_key}\r\n".encode()
-            + b"Content-Length: 100\r\n\r\n{\"prompt\": ")
-        data = sock.recv(65536)
+    data = _partial_post(real_server, 100, b'{"prompt": ', b"stopped arriving")
     assert data.startswith(b"HTTP/1.1 408") and b"stopped arriving" in data
 
 
 def test_huge_declared_body_is_refused_before_reading(real_server):
     """Content-Length over the limit: 413 from the headers alone, no 100 MB upload."""
-    host, port = real_server.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Authorization: Bearer {real_server.api_key}\r\n".encode()
-            + b"Content-Length: 100000000\r\n\r\n{")
-        data = b""
-        while b"exceeds the limit" not in data:
-            part = sock.recv(65536)
-            if not part:
-                break
-            data += part
+    data = _partial_post(real_server, 100_000_000, b"{", b"exceeds the limit")
     assert data.startswith(b"HTTP/1.1 413") and b"exceeds the limit" in data
 
 

@@ -127,7 +127,8 @@ class TextOffsets:
         self._tok = tok
         self._prompt = self._output = None
         if tok is not None:
-            self._prompt = DecodeStream(skip_special_tokens=False)
+            if walk_prompt:
+                self._prompt = DecodeStream(skip_special_tokens=False)
             self._output = DecodeStream(skip_special_tokens=skip_special_tokens)
             for t in prompt_ids[-_CONTEXT:]:  # a word start after them keeps its space
                 self._step(self._output, t)

@@ -435,10 +435,12 @@ class _View:
                 "text_offset": offsets}
 
     def _start_offsets(self, index: int, echo: str) -> None:
+        """A choice's text offsets, when it reports logprobs (they decode as they go)."""
         c = self.gen.choices[index]
-        self._offsets[index] = logprobs.TextOffsets(
-            self.state.engine.tokenizer, c.prompt_ids, echo, c.params.prompt_logprobs is not None,
-            c.params.skip_special_tokens)
+        if c.params.logprobs is not None:
+            self._offsets[index] = logprobs.TextOffsets(
+                self.state.engine.tokenizer, c.prompt_ids, echo,
+                c.params.prompt_logprobs is not None, c.params.skip_special_tokens)
 
     def _chat_logprobs(self, outs: list[RequestOutput], k: int) -> dict:
         return {"content": logprobs.token_logprobs(outs, k, self._names)}

@@ -64,19 +64,21 @@ _OptionInt = Annotated[int, BeforeValidator(_number),
 # "-1s", "0"), and a number of seconds as text.
 _GO_DURATION = re.compile(r"[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:ns|us|µs|ms|s|m|h))+|[+-]?0|"
                           r"[+-]?(?:\d+\.?\d*|\.\d+)")
+_DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|ms|s|m|h)?")  # a number, its unit
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
+                   "h": 3600.0}
 
 
 def keep_alive_seconds(value: float | str) -> float:
     """Seconds of a keep_alive (negative: forever), or ValueError for what Ollama refuses."""
     if isinstance(value, (int, float)):
         return float(value)
-    if not _GO_DURATION.fullmatch(value.strip()):
-        raise ValueError(f'time: invalid duration "{value}"')
-    unit = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
     text = value.strip()
+    if not _GO_DURATION.fullmatch(text):
+        raise ValueError(f'time: invalid duration "{value}"')
     sign = -1.0 if text.startswith("-") else 1.0
-    parts = re.findall(r"(\d+\.?\d*|\.\d+)(ns|us|µs|ms|s|m|h)?", text)
-    return sign * sum(float(n) * unit[u or "s"] for n, u in parts)
+    return sign * sum(float(n) * _DURATION_UNITS[u or "s"]
+                      for n, u in _DURATION_PART.findall(text))
 
 
 def _format(value: Any) -> Any:
