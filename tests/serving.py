@@ -10,6 +10,8 @@ from contextlib import contextmanager
 
 import uvicorn
 
+from tandem.entrypoints.server.app import uvicorn_config
+
 
 def serve_app(app, start_timeout: float = 30.0) -> tuple[str, Callable[[], None]]:
     """Start app on 127.0.0.1; returns (url, stop)."""
@@ -17,8 +19,7 @@ def serve_app(app, start_timeout: float = 30.0) -> tuple[str, Callable[[], None]
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
-                                           timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn_config(app, access_log=False, timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout

@@ -324,6 +324,43 @@ def test_a_body_that_stops_arriving_is_a_408(real_server, monkeypatch):
     assert data.startswith(b"HTTP/1.1 408") and b"stopped arriving" in data
 
 
+def _server_closes(sock: socket.socket, within_s: float) -> bool:
+    """Whether the server closes ``sock`` (EOF or reset) within ``within_s``."""
+    sock.settimeout(within_s)
+    try:
+        return sock.recv(65536) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_request_head_that_stops_arriving_is_closed(real_server, monkeypatch):
+    """A head sent a byte at a time (slowloris), or none at all, loses its
+    connection at the deadline; a neighbour is served; a head that arrived in
+    time is answered however long its response takes."""
+    from tandem.entrypoints.server import http_protocol
+
+    monkeypatch.setattr(http_protocol, "HEADER_READ_TIMEOUT_S", 0.5)
+    host, port = real_server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as silent, \
+            socket.create_connection((host, int(port)), timeout=10) as trickle:
+        start = time.monotonic()
+        for part in (b"GET /health HTTP/1.1\r\n", b"Host: x\r\n", b"X-A: 1\r\n"):
+            trickle.sendall(part)
+            time.sleep(0.2)
+        assert _server_closes(trickle, 5) and _server_closes(silent, 5)
+        assert time.monotonic() - start < 5
+    r = httpx.post(f"{real_server.url}/v1/completions", headers=real_server.headers, timeout=60,
+                   json={"prompt": "Once upon a time", "max_tokens": 128, "ignore_eos": True,
+                         "stream": True})
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    with httpx.Client(timeout=10) as client:  # keep-alive: the next head in time is served
+        for _ in range(2):
+            assert client.get(f"{real_server.url}/health").status_code == 200
+            time.sleep(0.2)
+
+
 def test_huge_declared_body_is_refused_before_reading(real_server):
     """Content-Length over the limit: 413 from the headers alone, no 100 MB upload."""
     data = _partial_post(real_server, 100_000_000, b"{", b"exceeds the limit")

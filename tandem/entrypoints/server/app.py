@@ -423,6 +423,16 @@ def _drain(state: ServerState) -> None:
     engine.shutdown()
 
 
+def uvicorn_config(app: ASGIApp, **kwargs: Any) -> Any:
+    """uvicorn's Config for tandem's app (``tandem serve`` and the tests' servers):
+    its HTTP protocol with a deadline for request heads, tandem's own logging."""
+    import uvicorn
+
+    from tandem.entrypoints.server.http_protocol import HeadDeadlineProtocol
+
+    return uvicorn.Config(app, http=HeadDeadlineProtocol, log_config=None, **kwargs)
+
+
 def run_server(load: Loader, config: ServerConfig, host: str, port: int,
                access_log: bool = True) -> int:
     """Listen at once, load in the background, serve until interrupted; 0 when stopped.
@@ -462,8 +472,7 @@ def run_server(load: Loader, config: ServerConfig, host: str, port: int,
             await app.state.dashboard.close()
             await super().shutdown(sockets)
 
-    server = Server(uvicorn.Config(app, host=host, port=port, log_config=None,
-                                   access_log=access_log,
+    server = Server(uvicorn_config(app, host=host, port=port, access_log=access_log,
                                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     logger.info("listening on http://%s:%d; loading the model: until it is ready, requests "
                 "get 503 \"Loading model\"", host if ":" not in host else f"[{host}]", port)
