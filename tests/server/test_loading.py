@@ -1,4 +1,5 @@
-"""The server listens while the model loads: 503 "Loading model" until it is ready.
+"""The server listens while the model loads: 503 "Loading model" until it is ready
+(Ollama's routes wait for the load instead, as Ollama answers a first request).
 
 Loaders here block on a threading.Event (a multi-GB model, simulated) and then
 build the tiny model; a failing loader stands for a bad --model.
@@ -6,6 +7,7 @@ build the tiny model; a failing loader stands for a bad --model.
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import socket
 import threading
@@ -21,7 +23,6 @@ from tests.serving import serve_app
 
 LOADING_OPENAI = {"error": {"message": "Loading model", "type": "unavailable_error",
                             "param": None, "code": 503}}
-LOADING_OLLAMA = {"error": "loading model"}
 
 
 def _free_port() -> int:
@@ -72,17 +73,24 @@ def test_routes_answer_503_while_loading_then_serve(gated_server):
             "max_tokens": 3}
     r = httpx.post(f"{url}/v1/chat/completions", json=chat)
     assert r.status_code == 503 and r.json() == LOADING_OPENAI
-    r = httpx.post(f"{url}/api/chat", json={**chat, "stream": False})
-    assert r.status_code == 503 and r.json() == LOADING_OLLAMA
-    for path in ("/v1/models", "/api/tags", "/metrics"):
+    for path in ("/v1/models", "/metrics"):
         assert httpx.get(f"{url}{path}").status_code == 503, path
     # These need no model; clients probe them to see whether a server is there.
     assert httpx.get(f"{url}/version").status_code == 200
     assert httpx.get(f"{url}/api/version").status_code == 200
     assert httpx.get(f"{url}/").text == "Ollama is running"
-
-    assert gc.get_freeze_count() == 0
-    release.set()
+    # Ollama's routes wait for the model, then answer (the chat: the next test).
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        waiting = [pool.submit(httpx.get, f"{url}/api/tags", timeout=60),
+                   pool.submit(httpx.post, f"{url}/api/show", json={"model": "tiny"},
+                               timeout=60)]
+        time.sleep(0.5)
+        assert not any(f.done() for f in waiting)
+        assert gc.get_freeze_count() == 0
+        release.set()
+        tags, show = (f.result() for f in waiting)
+    assert [m["name"] for m in tags.json()["models"]] == ["tiny:latest"]
+    assert show.status_code == 200 and show.json()["details"], show.text
     _wait_healthy(url)
     # Ready means start-up's heap is frozen out of the collector's full passes.
     assert gc.get_freeze_count() > 0
@@ -105,17 +113,22 @@ def test_chat_on_both_apis_once_the_default_model_is_in(real_server):
     url, stop = serve_app(build_app(load, ServerConfig(served_model_names=["smollm2"])))
     try:
         messages = [{"role": "user", "content": "Say hi"}]
-        r = httpx.post(f"{url}/api/chat", json={"model": "smollm2", "messages": messages})
-        assert r.status_code == 503 and r.json() == LOADING_OLLAMA
-        release.set()
+        r = httpx.post(f"{url}/v1/chat/completions", json={"model": "smollm2",
+                                                             "messages": messages})
+        assert r.status_code == 503 and r.json() == LOADING_OPENAI
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(httpx.post, f"{url}/api/chat", timeout=60, json={
+                "model": "smollm2", "messages": messages, "stream": False,
+                "options": {"num_predict": 3}})
+            time.sleep(0.5)
+            assert not waiting.done()
+            release.set()
+            r = waiting.result()
+        assert r.status_code == 200 and r.json()["eval_count"] == 3, r.text
         _wait_healthy(url)
         r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
             "model": "smollm2", "messages": messages, "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
-        r = httpx.post(f"{url}/api/chat", timeout=60, json={
-            "model": "smollm2", "messages": messages, "stream": False,
-            "options": {"num_predict": 3}})
-        assert r.status_code == 200 and r.json()["eval_count"] == 3, r.text
     finally:
         release.set()
         stop()  # the engine is real_server's: it shuts it down

@@ -95,7 +95,7 @@ def build_app(engine: EngineClient | Loader, config: ServerConfig | None = None)
     in memory: the lifespan runs the loader in a daemon thread, and until it
     returns, ``app.state.tandem`` is None and one gate, the ``_UntilReady``
     middleware in front of every route, answers 503 "Loading model" in the
-    route's API shape (all but OPEN_WHILE_LOADING). One gate rather than a
+    route's API shape (all but OPEN_WHILE_LOADING; Ollama's wait). One gate rather than a
     check per route or router because everything behind it, handlers, the
     API-key dependency, /metrics, /health, reads the ServerState that only a
     loaded engine can build; behind the gate they stay as they were.
@@ -118,6 +118,7 @@ def build_app(engine: EngineClient | Loader, config: ServerConfig | None = None)
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.tandem = None
     app.state.load_error = None
+    app.state.load_done = asyncio.Event()  # set once the load has ended, either way
     if not callable(engine):  # an engine, not a loader
         app.state.tandem = _server_state(engine, config)
     app.add_middleware(_UntilReady, app_state=app.state)
@@ -175,12 +176,15 @@ def _server_state(engine: EngineClient, config: ServerConfig) -> ServerState:
 async def _when_loaded(app: FastAPI, engine: EngineClient | Loader, config: ServerConfig) -> None:
     """The lifespan's task: load if needed, open the gate, then log stats forever."""
     if app.state.tandem is None:
-        loaded, error = await _in_daemon_thread(engine)
-        if error is not None:
-            app.state.load_error = error
-            return
-        app.state.tandem = _server_state(loaded, config)
-        _freeze_startup_heap()
+        try:
+            loaded, error = await _in_daemon_thread(engine)
+            if error is not None:
+                app.state.load_error = error
+                return
+            app.state.tandem = _server_state(loaded, config)
+            _freeze_startup_heap()
+        finally:  # also when the server stops mid-load: the waiting requests get their 503
+            app.state.load_done.set()
     state: ServerState = app.state.tandem
     card = state.card
     logger.info("serving %s (%s weights; max_model_len %d, max_num_seqs %d, max_queue %d)%s",
@@ -266,15 +270,22 @@ class _OriginGate:
 
 
 class _UntilReady:
-    """ASGI middleware: the readiness gate (see build_app); a pass-through once loaded."""
+    """ASGI middleware: the readiness gate (see build_app); a pass-through once loaded.
+
+    Ollama's routes wait for the load instead of a 503: Ollama loads a model on
+    its first request and answers that request once it is in, and its clients
+    (its SDKs, chat UIs) do not retry a 503 as the OpenAI SDK does.
+    """
 
     def __init__(self, app: ASGIApp, app_state: State) -> None:
         self.app = app
         self.app_state = app_state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] == "http" and self.app_state.tandem is None
-                and scope["path"] not in OPEN_WHILE_LOADING):
+        gated = scope["type"] == "http" and scope["path"] not in OPEN_WHILE_LOADING
+        if gated and self.app_state.tandem is None and scope["path"].startswith("/api/"):
+            await self.app_state.load_done.wait()
+        if gated and self.app_state.tandem is None:
             failed = self.app_state.load_error is not None
             err = APIError(503, "The model failed to load" if failed else "Loading model",
                            error_type="unavailable_error",
@@ -474,8 +485,9 @@ def run_server(load: Loader, config: ServerConfig, host: str, port: int,
 
     server = Server(uvicorn_config(app, host=host, port=port, access_log=access_log,
                                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
-    logger.info("listening on http://%s:%d; loading the model: until it is ready, requests "
-                "get 503 \"Loading model\"", host if ":" not in host else f"[{host}]", port)
+    logger.info("listening on http://%s:%d; loading the model: until it is ready, OpenAI "
+                "requests get 503 \"Loading model\" and Ollama's wait",
+                host if ":" not in host else f"[{host}]", port)
     interrupted = False
     try:
         server.run(sockets=[sock])
