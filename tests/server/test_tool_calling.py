@@ -93,6 +93,61 @@ def test_required_yields_a_valid_call_streamed_and_not(client):
     jsonschema.validate(json.loads(calls[0]["arguments"]), PARAMS[calls[0]["name"]])
 
 
+# A pydantic model's schema: its nested models under $defs, referenced from the root.
+PERSON_PARAMS = {
+    "$defs": {"Addr": {"type": "object", "properties": {"city": {"type": "string",
+                                                                 "maxLength": 12}},
+                       "required": ["city"], "additionalProperties": False}},
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                     "addr": {"$ref": "#/$defs/Addr"}},
+    "required": ["name", "addr"], "additionalProperties": False,
+}
+# A recursive schema: "#" is the tool's own parameters.
+TREE_PARAMS = {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
+                                     "children": {"type": "array", "maxItems": 1,
+                                                  "items": {"$ref": "#"}}},
+    "required": ["name"], "additionalProperties": False,
+}
+
+
+def test_required_enforces_schemas_with_references(client):
+    """References inside a tool's parameters ($defs, "#") resolve against those
+    parameters, not against the list of calls the grammar wraps them in."""
+    tools = [{"type": "function", "function": {"name": "save_person", "parameters": PERSON_PARAMS}},
+             {"type": "function", "function": {"name": "save_tree", "parameters": TREE_PARAMS}}]
+    schemas = {"save_person": PERSON_PARAMS, "save_tree": TREE_PARAMS}
+    seen = set()
+    for seed in range(6):
+        choice = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "Save Ann from Oslo"}],
+            tools=tools, tool_choice="required", parallel_tool_calls=False, max_tokens=80,
+            seed=seed, **HOT).choices[0]
+        if choice.finish_reason == "length":
+            continue
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        seen.add(call.function.name)
+    assert seen, "every call was cut by max_tokens"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_weather"}}])
+def test_a_forced_call_cut_by_a_stop_string_is_not_tool_calls(client, choice):
+    """A stop string that cuts a forced call leaves its arguments unfinished: finish_reason
+    says ``stop``, as ``length`` says it for max_tokens, never ``tool_calls``."""
+    kwargs = dict(model="smollm2", messages=ASK, tools=TOOLS, tool_choice=choice,
+                  parallel_tool_calls=False, max_tokens=60, temperature=0, stop=["Par"])
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "stop" and whole.stop_reason == "Par", whole
+    assert whole.message.tool_calls, whole  # the call was cut inside its arguments
+    calls, finish, _ = streamed_calls(client.chat.completions.create(**kwargs, stream=True))
+    assert finish == "stop"
+    assert [c["arguments"] for c in calls.values()] == [
+        c.function.arguments for c in whole.message.tool_calls or []]
+
+
 def test_forced_calls_stream_no_empty_deltas(client):
     """A forced call's grammar scaffolding ('[{"name": "') sends no chunks of its own, as
     in vLLM: every chunk between the first (the role) and the last (finish_reason) carries

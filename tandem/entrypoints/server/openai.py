@@ -50,7 +50,7 @@ from tandem.entrypoints.server.structured import (
     plan_tools,
     template_messages,
 )
-from tandem.entrypoints.server.tool_parsers import Delta
+from tandem.entrypoints.server.tool_parsers import Delta, ToolCallParser
 from tandem.outputs import RequestMetrics, RequestOutput
 from tandem.sampling_params import SamplingParams
 
@@ -547,7 +547,8 @@ class _View:
                         {"id": t.id, "type": "function",
                          "function": {"name": t.name, "arguments": t.arguments}}
                         for t in calls]
-                    finish_reason = tool_finish_reason(finish_reason)
+                    finish_reason = tool_finish_reason(parser, finish_reason,
+                                                       final.outputs[0].stop_reason)
             choice = {
                 "index": c.index, "message": message,
                 "logprobs": None if k is None else self._chat_logprobs(c_outs, k),
@@ -592,7 +593,8 @@ class _View:
                 if calls or reasoning:
                     delta["content"] = delta["content"] or None
                 if out.finished and parser.calls:
-                    body["finish_reason"] = tool_finish_reason(out.finish_reason)
+                    body["finish_reason"] = tool_finish_reason(parser, out.finish_reason,
+                                                               out.outputs[0].stop_reason)
             return body
 
         return self._chunks("chat.completion.chunk", include_usage, body)
@@ -604,9 +606,15 @@ def reasoning_fields(text: str) -> dict[str, str]:
     return {"reasoning_content": text, "reasoning": text}
 
 
-def tool_finish_reason(reason: str | None) -> str | None:
-    """A response that called tools ends with ``tool_calls`` unless it was cut short."""
-    return "tool_calls" if reason == "stop" else reason
+def tool_finish_reason(parser: ToolCallParser, reason: str | None,
+                       stop_reason: int | str | None) -> str | None:
+    """A response that called tools ends with ``tool_calls`` unless it was cut short:
+    by max_tokens (``length``), or a forced call by a stop string or stop token
+    (``stop``): its arguments are unfinished, and an agent that reads
+    ``tool_calls`` parses them. A grammar that completes its calls ends on EOS."""
+    if reason != "stop" or (parser.forced and stop_reason is not None):
+        return reason
+    return "tool_calls"
 
 
 def tool_call_deltas(deltas: list[Delta]) -> list[dict]:

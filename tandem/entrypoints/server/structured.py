@@ -163,13 +163,19 @@ class ToolPlan:
             return _schema(self._parameters(i), _tool_field(i, self.fields, "parameters"))
         if self.choice != "required":
             return None
+        # Each tool's parameters sit under $defs, their own "#..." refs rebased there:
+        # inlined, a pydantic model's "#/$defs/Addr" pointed into the wrapper (a 400)
+        # and a recursive "#" at the array of calls (calls nested in arguments).
         calls = [{"type": "object", "properties": {
                       "name": {"type": "string", "enum": [name]},
-                      "arguments": self._parameters(i)},
+                      "arguments": {"$ref": f"#/$defs/tool_{i}"}},
                   "required": ["name", "arguments"], "additionalProperties": False}
                  for i, name in enumerate(self.names)]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                                  "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        schema: dict[str, Any] = {
+            "$defs": {f"tool_{i}": _rebased(self._parameters(i), f"#/$defs/tool_{i}")
+                      for i in range(len(self.names))},
+            "type": "array", "minItems": 1,
+            "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
         if not self.parallel:
             schema["maxItems"] = 1
         return _schema(schema, "tools")
@@ -183,6 +189,22 @@ class ToolPlan:
         if self.choice == "required":
             return ToolCallParser("array", known)
         return ToolCallParser(self.family, known, max_calls=None if self.parallel else 1)
+
+
+# Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """``schema`` with its document-local references (``"$ref": "#..."``) pointing into
+    ``base`` (a JSON pointer such as ``#/$defs/tool_0``), where it is placed."""
+    if isinstance(schema, list):
+        return [_rebased(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {k: base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+            else v if k in _DATA_KEYWORDS else _rebased(v, base)
+            for k, v in schema.items()}
 
 
 def _tool_field(i: int, fields: str, name: str) -> str:

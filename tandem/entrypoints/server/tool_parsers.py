@@ -437,14 +437,20 @@ class ToolCallParser:
                 if d.index is not None and d.index < room]
         return True
 
+    @property
+    def forced(self) -> bool:
+        """Whether a grammar forced the calls (required, a named function): they are
+        sent as they are written, so a cut leaves the last one unfinished."""
+        return self.mode in ("array", "arguments")
+
     # --------------------------------------------------------------- result
     def result(self) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole response, as the stream sent them. When the
         model chose (hermes, llama3_json), a call that does not parse, or names an
         unknown function, is content: it wrote something else. When a grammar
         forced the calls (array, arguments), they are calls even if max_tokens cut
-        the last one short; finish_reason ``length`` says so."""
-        if self.mode in ("array", "arguments"):
+        the last one short; finish_reason ``length`` (or ``stop``) says so."""
+        if self.forced:
             return None, self.calls
         if not self.calls:
             return self.content, []
