@@ -279,6 +279,7 @@ class ToolCallParser:
         self.text = ""  # everything fed
         self.content = ""  # the content sent so far
         self._held = ""  # content not yet sent: a possible tag's start
+        self._space = ""  # content not yet sent: only whitespace so far (_hold_space)
         self._scan: _Scan | None = None
         self._region = ""  # the text of the call being scanned, tag included
         self._region_calls = 0  # calls sent before it
@@ -319,12 +320,36 @@ class ToolCallParser:
         self._held = ""
         if self.mode == "arguments":
             self.calls[0].complete = True
-        return self._sent(out)
+        return self._sent(out, final=True)
 
-    def _sent(self, out: list[Delta]) -> list[Delta]:
+    def _sent(self, out: list[Delta], final: bool = False) -> list[Delta]:
         out = _merge(out)
+        if self._held_calls:
+            out = self._hold_space(out, final)
         self.content += "".join(d.content for d in out)
         return out
+
+    def _hold_space(self, out: list[Delta], final: bool) -> list[Delta]:
+        """Content's trailing whitespace waits for text to follow it, and is dropped at
+        the end if calls were sent: the space a model writes around its calls is not
+        sent as content (a client that read a first content delta of "\n\n" as "a
+        text answer" took the wrong branch), and where the whole response's content
+        is only such space it is None. Trailing, not whitespace-only pieces: the
+        content must not depend on how the text was split into tokens."""
+        kept = []
+        for d in out:
+            if d.content:
+                text = self._space + d.content
+                sent = text.rstrip()
+                self._space = text[len(sent):]
+                d = replace(d, content=sent)
+            if d.content or d.index is not None:
+                kept.append(d)
+        if final:
+            if self._space and not self.calls:
+                kept.append(Delta(content=self._space))
+            self._space = ""
+        return kept
 
     def _hermes(self, text: str, out: list[Delta]) -> None:
         buf = self._held + text
