@@ -263,6 +263,18 @@ def test_list_of_parts_content(client):
         client.chat.completions.create(model="smollm2", max_tokens=1, messages=[
             {"role": "user", "content": [{"type": "image_url",
                                           "image_url": {"url": "http://x/y.png"}}]}])
+    # An assistant turn's refusal part, replayed in the history, is its text (as the
+    # same words in a text part); a user's refusal part is a 400.
+    asked = {"role": "user", "content": "Tell me a secret."}
+    refused = [{"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
+               {"role": "assistant", "content": [{"type": "text", "text": "I can't."}]}]
+    counts = {client.chat.completions.create(
+        model="smollm2", max_tokens=1, messages=[asked, turn, {"role": "user", "content": "Ok"}]
+    ).usage.prompt_tokens for turn in refused}
+    assert len(counts) == 1
+    with pytest.raises(openai.BadRequestError, match="only text parts are supported"):
+        client.chat.completions.create(model="smollm2", max_tokens=1, messages=[
+            {"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}])
 
 
 def test_prefix_cache_shows_in_cached_tokens(client):

@@ -232,21 +232,27 @@ async def chat_completions(request: Request):
     return JSONResponse(view.chat_response(outs))
 
 
-def flatten_content(content: str | list[TextPart] | None, where: str) -> str:
-    """OpenAI's list-of-parts content -> text (parts joined by newlines, as vLLM does)."""
+def flatten_content(content: str | list[TextPart] | None, where: str,
+                    role: str = "user") -> str:
+    """OpenAI's list-of-parts content -> text (parts joined by newlines, as vLLM does).
+    An assistant turn's ``refusal`` parts (what OpenAI answered, replayed in the
+    history) are its text too."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     texts = []
     for j, part in enumerate(content):
-        if part.type != "text":
-            raise bad_request(f"{where}.content[{j}]: only text parts are supported, "
+        field = "refusal" if part.type == "refusal" and role == "assistant" else "text"
+        if part.type != field:
+            allowed = "text parts" + (" and refusal parts" if role == "assistant" else "")
+            raise bad_request(f"{where}.content[{j}]: only {allowed} are supported, "
                               f"got type {part.type!r}", f"{where}.content[{j}].type")
-        if part.text is None:
-            raise bad_request(f"{where}.content[{j}]: a text part needs its text",
-                              f"{where}.content[{j}].text")
-        texts.append(part.text)
+        text = getattr(part, field)
+        if text is None:
+            raise bad_request(f"{where}.content[{j}]: a {field} part needs its {field}",
+                              f"{where}.content[{j}].{field}")
+        texts.append(text)
     return "\n".join(texts)
 
 
@@ -275,7 +281,7 @@ async def _chat_ids(state: ServerState, req: ChatCompletionRequest | TokenizeReq
                               f"messages[{i}].content must not be an empty list",
                               f"messages[{i}].content")
         msg: dict = {"role": "system" if m.role == "developer" else m.role,
-                     "content": flatten_content(m.content, f"messages[{i}]")}
+                     "content": flatten_content(m.content, f"messages[{i}]", m.role)}
         if m.tool_calls:
             msg["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {

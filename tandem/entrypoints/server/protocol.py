@@ -227,6 +227,7 @@ class CompletionRequest(_OpenAISampling):
 class TextPart(_Body):
     type: str
     text: str | None = None
+    refusal: str | None = None  # an assistant turn's refusal part, as OpenAI returns it
 
 
 # OpenAI's roles: any other is a 400, as OpenAI answers (a typo such as
