@@ -97,6 +97,7 @@ CALL = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}'
     (f"{CALL}\n</tool_call>\n{CALL}\n</tool_call", ""),  # max_tokens cut the last tag
     (f"{CALL}\n</tool_call>\n{CALL}\n</tool_call>\n\n", ""),
     (f"\n\n{CALL}\n</tool_call>\n", ""),  # space before the first call too
+    (f'{CALL} {{"name": "f", "arguments": {{"a": 1}}}}</tool_call>', ""),  # two in one tag
     (f"{CALL}\n\nThe answer.", "\n\nThe answer."),  # no closing tag: text goes on
     (f"{CALL}\n</tool_call>\n\n  Done.", "\n\n  Done."),
 ])

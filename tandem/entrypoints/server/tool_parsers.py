@@ -368,6 +368,9 @@ class ToolCallParser:
                         self._held = buf
                         return
                     buf = stripped[len(TOOL_CALL_CLOSE):]
+                elif stripped[0] == "{":  # another call in the same tags
+                    buf = stripped
+                    self._begin("", out)
                 self._after_call = False
                 continue
             at = buf.find(TOOL_CALL_OPEN)
