@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 
 import httpx
 import pytest
@@ -183,6 +184,20 @@ def test_head_probes_and_cors(start_server, tiny_config_path, server):
     host = server.url.split("//")[1]
     assert httpx.get(f"{server.url}/v1/models", headers={"Origin": f"http://{host}"}
                      ).status_code == 200
+    # DNS rebinding: another site's name pointed at 127.0.0.1 is same-origin with its page
+    # (Origin and Host agree, or a GET carries no Origin): on loopback without an API key,
+    # only local names are served.
+    port = host.rsplit(":", 1)[1]
+    for headers in ({"Host": f"evil.example:{port}", "Origin": f"http://evil.example:{port}"},
+                    {"Host": f"evil.example:{port}"}):
+        r = httpx.get(f"{server.url}/v1/models", headers=headers)
+        assert r.status_code == 403 and "evil.example" in r.json()["error"]["message"], headers
+    for name in ("localhost", "app.localhost", "127.0.0.1", "[::1]", socket.gethostname()):
+        assert httpx.get(f"{server.url}/v1/models", headers={"Host": f"{name}:{port}"}
+                         ).status_code == 200, name
+    keyed = start_server(tiny_engine(tiny_config_path), ServerConfig(api_key="k"))
+    assert httpx.get(f"{keyed.url}/v1/models", headers={
+        "Host": "evil.example", "Authorization": "Bearer k"}).status_code == 200
     other = start_server(tiny_engine(tiny_config_path),
                          ServerConfig(allowed_origins=["https://example.com"]))
     r = httpx.options(f"{other.url}/api/chat", headers={**site, **preflight})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import ipaddress
 import logging
 import math
 import os
@@ -124,7 +125,7 @@ def build_app(engine: EngineClient | Loader, config: ServerConfig | None = None)
     app.add_middleware(_UntilReady, app_state=app.state)
     app.add_middleware(_NoUnhandledErrors)
     origins = config.allowed_origins
-    app.add_middleware(_OriginGate, origins=origins)
+    app.add_middleware(_OriginGate, origins=origins, check_host=not config.api_key)
     # Outermost, so a browser's preflight is answered before the gates or a route's key.
     app.add_middleware(CORSMiddleware, allow_origins=origins or [],
                        allow_origin_regex=None if origins else LOCAL_ORIGINS,
@@ -242,8 +243,10 @@ class _OriginGate:
     from such a page: a request that needs no preflight (a text/plain POST) still ran,
     so any web site could drive generation on a server on localhost."""
 
-    def __init__(self, app: ASGIApp, origins: list[str] | None) -> None:
+    def __init__(self, app: ASGIApp, origins: list[str] | None, check_host: bool = True) -> None:
         self.app = app
+        self.check_host = check_host
+        self.own_name = socket.gethostname().lower()
         self.any = origins is not None and "*" in origins
         self.exact = frozenset(origins or ())
         self.pattern = None if origins else re.compile(LOCAL_ORIGINS)
@@ -253,15 +256,46 @@ class _OriginGate:
             return True  # the last: the server's own pages (the dashboard), by any name
         return self.pattern is not None and self.pattern.fullmatch(origin) is not None
 
+    def local_name(self, host: str | None) -> bool:
+        """Whether a Host header names this machine as no DNS answer could: an IP
+        address, localhost (or a name under .localhost), the machine's own name."""
+        name = urlsplit(f"//{host or ''}").hostname or ""
+        if name == "localhost" or name.endswith(".localhost") or name == self.own_name:
+            return True
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return True
+
+    def rebound(self, scope: Scope, headers: Headers) -> bool:
+        """DNS rebinding: a page of another site whose name the attacker re-points at
+        127.0.0.1 is same-origin with it (Origin matches Host, or no Origin at all),
+        so on the loopback interface, without an API key, a Host that is not a local
+        name is refused, as Ollama refuses it."""
+        server = scope.get("server")
+        if not self.check_host or not server:
+            return False
+        try:
+            loopback = ipaddress.ip_address(server[0]).is_loopback
+        except ValueError:  # a Unix socket's path
+            return False
+        return loopback and not self.local_name(headers.get("host"))
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] != "OPTIONS":  # preflights: CORS's
             headers = Headers(scope=scope)
             origin = headers.get("origin")
             # its own name: Host, or the one a proxy that rewrote Host passes on
             hosts = (headers.get("host"), headers.get("x-forwarded-host"))
-            if origin is not None and not self.allowed(origin, hosts):
+            message = None
+            if self.rebound(scope, headers):
+                message = (f"host {headers.get('host')!r} is not a name of this server: on "
+                           "127.0.0.1 without --api-key only local names are served")
+            elif origin is not None and not self.allowed(origin, hosts):
                 message = (f"origin {origin} may not call this server: start it with "
                            "--allowed-origins naming it")
+            if message is not None:
                 err = APIError(403, message, error_type="permission_error",
                                ollama_message=message)
                 await _render(Request(scope), err)(scope, receive, send)
