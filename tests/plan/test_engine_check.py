@@ -55,6 +55,16 @@ def test_default_model_planned_equals_allocated(capsys):
     assert any(n.startswith("weights:") and "embedding in fp16" in n for n in chk["notes"])
 
 
+def test_kv_cache_memory_reads_as_serve_reads_it(tiny_config_path, capsys):
+    """The engine's flag, one parser: a bare number is bytes (as serve reads it), not GB."""
+    code = main(["plan", tiny_config_path, "--engine-check", "--kv-cache-memory",
+                 str(2**20), "--json"])
+    assert code == 0
+    assert json.loads(capsys.readouterr().out)["engine_check"]["budget_bytes"] == 2**20
+    assert main(["plan", tiny_config_path, "--engine-check", "--kv-cache-memory", "abc"]) == 2
+    assert "--kv-cache-memory: cannot parse memory size 'abc'" in capsys.readouterr().err
+
+
 def test_fp16_cache_planned_equals_allocated(tiny_config_path, capsys):
     code = main(["plan", tiny_config_path, "--engine-check", "--kv-cache-dtype", "fp16",
                  "--kv-cache-memory", "1MiB", "--json"])

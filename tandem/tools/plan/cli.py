@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from tandem.config import parse_bytes as engine_bytes
 from tandem.tools.plan.arithmetic import KV_DTYPES, WEIGHT_DTYPES
 from tandem.tools.plan.capacity import plan
 from tandem.tools.plan.devices import DEVICES, Device, get_device, measure_host
@@ -221,8 +222,11 @@ def run_engine_check(args: argparse.Namespace) -> int:
         raise PlanInputError("give the model once (positional or --model)")
     ref = args.model or args.model_opt
     memory = None
-    if args.kv_cache_memory is not None:
-        memory = int(parse_bytes(args.kv_cache_memory, "--kv-cache-memory"))
+    if args.kv_cache_memory is not None:  # the engine's flag, read as serve reads it
+        try:
+            memory = engine_bytes(args.kv_cache_memory)
+        except ValueError as e:
+            raise PlanInputError(f"--kv-cache-memory: {e}") from None
     context = _number(args.context, "--context", integer=True)
     util = _number(args.gpu_memory_utilization, "--gpu-memory-utilization")
     if util is not None and not 0 < util <= 1:
