@@ -43,6 +43,15 @@ REFUSED = {
 }
 
 
+def refused(status: int, body: str, sent_key: bool) -> str:
+    """Why the server refused the feed, in words."""
+    if status == 401 and sent_key:
+        return "the server answered 401: the API key sent is not its --api-key"
+    if status == 503 and "Loading model" in body:
+        return "the server is still loading its model: try again once /health answers 200"
+    return REFUSED.get(status, f"HTTP {status}: {body[:200]}")
+
+
 class TopError(Exception):
     """Why the feed cannot be watched, in one line."""
 
@@ -75,7 +84,7 @@ def events(url: str, headers: dict[str, str], timeout_s: float
                       timeout=timeout_s) as r:
         if r.status_code != 200:
             r.read()
-            raise TopError(REFUSED.get(r.status_code, f"HTTP {r.status_code}: {r.text[:200]}"))
+            raise TopError(refused(r.status_code, r.text, "Authorization" in headers))
         name, data = "message", ""
         for line in r.iter_lines():
             if line.startswith("event:"):

@@ -236,6 +236,12 @@ def test_top_not_on_a_terminal_prints_frame_after_frame(server):
 def test_top_says_why_it_cannot_watch(keyed_server, capsys):
     assert main(["top", keyed_server.url, "--once"]) == 2
     assert "--api-key" in capsys.readouterr().err
+    assert main(["top", keyed_server.url, "--once", "--api-key", "wrong"]) == 2
+    assert "the API key sent is not its --api-key" in capsys.readouterr().err
+    from tandem.tools.top import refused  # a server still loading (503 "Loading model")
+
+    assert "still loading its model" in refused(503, '{"error": {"message": "Loading model"}}',
+                                                False)
     assert main(["top", keyed_server.url, "--once", "--api-key", API_KEY]) == 0
     assert "doctor" in capsys.readouterr().out
     assert main(["top", "127.0.0.1:9", "--once", "--timeout", "2"]) == 2
