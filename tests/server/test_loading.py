@@ -175,3 +175,26 @@ def test_serve_with_a_bad_model_exits_2_with_the_message(capsys):
     err = capsys.readouterr().err
     assert "tandem serve: error: model path '/nonexistent/model.gguf' does not exist" in err
     assert "Traceback" not in err
+
+
+def test_a_host_name_is_listened_on_at_every_address(monkeypatch):
+    """``--host localhost`` where it names 127.0.0.1 and ::1: both are bound (bound to
+    the first only, clients of the other were refused)."""
+    from tandem.entrypoints.server import app as server_app
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    port = _free_port()
+    both = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port)),
+            (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+    monkeypatch.setattr(server_app.socket, "getaddrinfo", lambda *a, **k: both)
+    socks = server_app._listen("localhost", port)
+    try:
+        assert sorted(s.getsockname()[0] for s in socks) == ["127.0.0.1", "::1"]
+    finally:
+        for s in socks:
+            s.close()

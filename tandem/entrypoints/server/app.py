@@ -428,23 +428,32 @@ def serve(args, load: Loader) -> int:
     ), host=args.host, port=args.port, access_log=args.access_log)
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """The server's socket, bound: an address that is taken or not this machine's
-    is a ValueError (one CLI line) before a model loads, not uvicorn's log line
-    after it."""
+def _listen(host: str, port: int) -> list[socket.socket]:
+    """The server's sockets, bound: one for each address ``host`` names (``localhost``
+    is 127.0.0.1 and ::1 where /etc/hosts says both; bound to the first only, clients
+    of the other got "connection refused"), as uvicorn's own --host binds them. An
+    address that is taken or not this machine's is a ValueError (one CLI line)
+    before a model loads, not uvicorn's log line after it."""
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise ValueError(f"--host {host}: {e.strerror}") from None
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(addr)
-    except OSError as e:
-        sock.close()
-        raise ValueError(f"cannot listen on {host} port {port}: {e.strerror}") from None
-    return sock
+    socks: list[socket.socket] = []
+    for family, kind, proto, _, addr in dict.fromkeys(
+            (i[0], i[1], i[2], "", i[4]) for i in infos):  # each address once, in order
+        sock = socket.socket(family, kind, proto)
+        socks.append(sock)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:  # beside an IPv4 socket on the same port
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            for s in socks:
+                s.close()
+            raise ValueError(f"cannot listen on {host} port {port}: {e.strerror}") from None
+    return socks
 
 
 def _drain(state: ServerState) -> None:
@@ -489,7 +498,7 @@ def run_server(load: Loader, config: ServerConfig, host: str, port: int,
     """
     import uvicorn
 
-    sock = _listen(host, port)  # before the load: a port in use says so at once
+    socks = _listen(host, port)  # before the load: a port in use says so at once
     failure: list[BaseException] = []
 
     def load_or_stop() -> EngineClient:
@@ -524,7 +533,7 @@ def run_server(load: Loader, config: ServerConfig, host: str, port: int,
                 host if ":" not in host else f"[{host}]", port)
     interrupted = False
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=socks)
     except KeyboardInterrupt:  # uvicorn re-raises a caught SIGINT once it has shut down
         interrupted = True
     finally:
