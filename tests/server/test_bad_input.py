@@ -71,7 +71,7 @@ CASES = [
     ("/api/generate", {**OLLAMA, "context": [2**70]}, 400, "vocabulary"),
     ("/api/generate", {**OLLAMA, "raw": True, "system": "Be brief."}, 400,
      "raw mode does not support template, system, or context"),
-    ("/api/embed", {"model": "smollm2", "input": "hi"}, 501, "embeddings is not supported"),
+    ("/api/embed", {"model": "smollm2", "input": "hi"}, 501, "run an embedding model elsewhere"),
     ("/v1/embeddings", {"model": "smollm2", "input": "hi"}, 501, "embeddings are not supported"),
     ("/api/create", {"model": "mine", "from": "smollm2"}, 501, "creating models is not"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], '

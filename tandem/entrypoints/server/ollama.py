@@ -205,8 +205,11 @@ UNSUPPORTED = {
 
 async def _unsupported(request: Request) -> None:
     what = UNSUPPORTED[request.scope["route"].path]
-    raise APIError(501, f"{what} is not supported: this server serves one model, "
-                   f"{_state(request).card.name}, loaded at start-up")
+    name = _state(request).card.name
+    why = (f"this server generates text with {name}; run an embedding model elsewhere"
+           if what == "embeddings" else f"this server serves one model, {name}, loaded at "
+           "start-up")
+    raise APIError(501, f"{what} is not supported: {why}")
 
 
 for _path in UNSUPPORTED:
