@@ -102,7 +102,9 @@ def test_serve_rejects_bad_flags_before_loading(capsys):
                          (["--generation-config", "greedy"], "--generation-config must be"),
                          (["--override-generation-config", '{"top_p": 2}'], "top_p must be"),
                          (["--threads", "0"], "--threads must be >= 1"),
-                         (["--api-key", ""], "--api-key is empty"),
+                         (["--api-key", ""], "--api-key (or $TANDEM_API_KEY) is empty"),
+                         (["--allowed-origins", "http://192.168.1.20:3000/"], "not an origin"),
+                         (["--allowed-origins", "192.168.1.21"], "not an origin"),
                          (["--stats-interval", "nan"], "--stats-interval must be"),
                          (["--stats-interval", "inf"], "--stats-interval must be"),
                          (["--served-model-name", "a", " "], "must not be empty")):

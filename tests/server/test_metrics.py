@@ -203,3 +203,6 @@ def test_head_probes_and_cors(start_server, tiny_config_path, server):
     r = httpx.options(f"{other.url}/api/chat", headers={**site, **preflight})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == site["Origin"]
     assert httpx.get(f"{other.url}/v1/models", headers=site).status_code == 200
+    # --allowed-origins adds to the pages on this machine (as Ollama's OLLAMA_ORIGINS)
+    assert httpx.get(f"{other.url}/v1/models", headers={"Origin": "http://localhost:3000"}
+                     ).status_code == 200

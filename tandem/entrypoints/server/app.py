@@ -78,7 +78,7 @@ class ServerConfig:
 
     served_model_names: list[str] | None = None
     api_key: str | None = None
-    allowed_origins: list[str] | None = None  # None: LOCAL_ORIGINS; ["*"]: any
+    allowed_origins: list[str] | None = None  # beside LOCAL_ORIGINS; ["*"]: any
     max_queue: int | None = None
     max_body_bytes: int = 16 * 2**20
     stats_interval_s: float = 10.0
@@ -128,7 +128,7 @@ def build_app(engine: EngineClient | Loader, config: ServerConfig | None = None)
     app.add_middleware(_OriginGate, origins=origins, check_host=not config.api_key)
     # Outermost, so a browser's preflight is answered before the gates or a route's key.
     app.add_middleware(CORSMiddleware, allow_origins=origins or [],
-                       allow_origin_regex=None if origins else LOCAL_ORIGINS,
+                       allow_origin_regex=LOCAL_ORIGINS,
                        allow_methods=["*"], allow_headers=["*"])
     app.include_router(openai.router)
     app.include_router(responses.router)
@@ -249,12 +249,12 @@ class _OriginGate:
         self.own_name = socket.gethostname().lower()
         self.any = origins is not None and "*" in origins
         self.exact = frozenset(origins or ())
-        self.pattern = None if origins else re.compile(LOCAL_ORIGINS)
+        self.pattern = re.compile(LOCAL_ORIGINS)  # --allowed-origins adds to them, as Ollama
 
     def allowed(self, origin: str, hosts: tuple[str | None, ...]) -> bool:
         if self.any or origin in self.exact or urlsplit(origin).netloc in hosts:
             return True  # the last: the server's own pages (the dashboard), by any name
-        return self.pattern is not None and self.pattern.fullmatch(origin) is not None
+        return self.pattern.fullmatch(origin) is not None
 
     def local_name(self, host: str | None) -> bool:
         """Whether a Host header names this machine as no DNS answer could: an IP
@@ -407,7 +407,15 @@ def serve(args, load: Loader) -> int:
                          f"{args.stats_interval}")
     # An empty key would leave the APIs open ("--api-key $KEY" with KEY unset).
     if args.api_key is not None and not args.api_key.strip():
-        raise ValueError("--api-key is empty: give a key, or leave the flag out for no key")
+        raise ValueError("--api-key (or $TANDEM_API_KEY) is empty: give a key, or leave both "
+                         "out for no key")
+    for origin in args.allowed_origins or ():
+        parts = urlsplit(origin)
+        if origin != "*" and not (parts.scheme and parts.netloc and not parts.path
+                                  and not parts.query and not parts.fragment):
+            raise ValueError(f"--allowed-origins: {origin!r} is not an origin (what a browser "
+                             "sends: scheme://host[:port], no path), e.g. "
+                             "http://192.168.1.20:3000")
     if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
         raise ValueError("--served-model-name: a name must not be empty")
     dashboard_config = dashboard.config_from_args(args)

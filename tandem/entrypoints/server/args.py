@@ -19,10 +19,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on the API routes "
                         "(default: $TANDEM_API_KEY, else none)")
     g.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
-                   help="browser origins (CORS) that may call the APIs, e.g. "
-                        "https://chat.example.com, or '*' for any (default: pages on this "
-                        "machine, http(s)://localhost or 127.0.0.1 at any port, and app://, "
-                        "file://, tauri://, vscode-webview://, vscode-file://, as Ollama allows)")
+                   help="browser origins (CORS) that may call the APIs besides pages on "
+                        "this machine (http(s)://localhost or 127.0.0.1 at any port, and "
+                        "app://, file://, tauri://, vscode-webview://, vscode-file://, as "
+                        "Ollama allows), e.g. https://chat.example.com, or '*' for any")
     g.add_argument("--max-queue", type=int, default=None,
                    help="requests that may wait beyond the running batch before new ones get "
                         "503 + Retry-After at once (default: --max-num-seqs, about one "
