@@ -33,6 +33,7 @@ def test_help_lists_the_three_commands(capsys):
     (["--backend", "openai-chat", "--skip-tokenizer-init"], "use --backend openai"),
     (["--sweep", "batch=1,2", "--skip-tokenizer-init"], "--sweep 'batch=1,2'"),
     (["--random-input-len", "4000", "--skip-tokenizer-init"], "context window of 4096"),
+    (["--save-result", "--result-dir", "/proc/nope"], "--result-dir /proc/nope"),
 ])
 def test_bad_flags_are_one_line_errors(fake_server, capsys, args, message):
     url = fake_server(FakePlan())

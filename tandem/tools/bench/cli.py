@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+from pathlib import Path
 from typing import Any
 
 from tandem.tools.bench.client import BACKENDS
@@ -155,9 +157,24 @@ def _quiet_libraries() -> None:
         logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))
 
 
+def _writable_result_dir(a: argparse.Namespace) -> None:
+    """Where results will be saved, made and checked before the run: a run of many
+    minutes that cannot save at its end lost its results."""
+    if not (a.save_result or a.result_filename or a.result_dir):
+        return
+    where = Path(a.result_dir or ".")
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--result-dir {where}: {e.strerror}") from None
+    if not os.access(where, os.W_OK):
+        raise ValueError(f"--result-dir {where}: not writable")
+
+
 def _serve(a: argparse.Namespace) -> int:
     from tandem.tools.bench.serve import run_serve
 
+    _writable_result_dir(a)
     _quiet_libraries()
     return run_serve(a)
 
@@ -165,6 +182,7 @@ def _serve(a: argparse.Namespace) -> int:
 def _phases(a: argparse.Namespace) -> int:
     from tandem.tools.bench.phases import run_phases
 
+    _writable_result_dir(a)
     _quiet_libraries()
     return run_phases(a)
 
