@@ -186,6 +186,11 @@ def test_gguf_truncated_is_a_clear_error(tmp_path) -> None:
     bad.write_bytes(head)
     with pytest.raises(ValueError, match="not a readable GGUF"):
         load_model(str(bad))
+    # Its whole header, but the tensors cut short (a download stopped half way):
+    with open(GGUF, "rb") as f:
+        bad.write_bytes(f.read(50_000_000))
+    with pytest.raises(ValueError, match="truncated download"):
+        load_model(str(bad))
 
 
 # --- weight bytes ------------------------------------------------------------------

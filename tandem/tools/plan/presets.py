@@ -444,6 +444,10 @@ def spec_from_gguf(path: str) -> ModelSpec:
         meta, tensor_list = read_gguf_header(path)
     except (OSError, ValueError, KeyError, struct.error) as e:  # truncated or foreign file
         raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
+    stored = sum(t.n_bytes for t in tensor_list)
+    if os.path.getsize(path) < stored:  # serve refuses it too
+        raise ValueError(f"{path}: not a readable GGUF file (its tensors are {stored:,} bytes, "
+                         "more than the file: a truncated download?)")
     arch = _gguf_scalar(meta, "general.architecture")
     if not arch:
         raise ValueError(f"{path}: GGUF has no general.architecture")
