@@ -14,6 +14,7 @@ import pytest
 from tandem.entrypoints.cli import main
 from tandem.entrypoints.server.app import ServerConfig
 from tandem.entrypoints.server.dashboard import COOKIE, DashboardConfig
+from tandem.tools.top import refused
 from tests.server.conftest import API_KEY, slow_down, tiny_engine
 from tests.server.dashboard_feed import Feed, quantiles, scrape, total
 
@@ -238,8 +239,7 @@ def test_top_says_why_it_cannot_watch(keyed_server, capsys):
     assert "--api-key" in capsys.readouterr().err
     assert main(["top", keyed_server.url, "--once", "--api-key", "wrong"]) == 2
     assert "the API key sent is not its --api-key" in capsys.readouterr().err
-    from tandem.tools.top import refused  # a server still loading (503 "Loading model")
-
+    # a server still loading (503 "Loading model")
     assert "still loading its model" in refused(503, '{"error": {"message": "Loading model"}}',
                                                 False)
     assert main(["top", keyed_server.url, "--once", "--api-key", API_KEY]) == 0

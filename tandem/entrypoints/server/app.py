@@ -291,7 +291,8 @@ class _OriginGate:
             message = None
             if self.rebound(scope, headers):
                 message = (f"host {headers.get('host')!r} is not a name of this server: on "
-                           "127.0.0.1 without --api-key only local names are served")
+                           "the loopback interface without --api-key only local names are "
+                           "served")
             elif origin is not None and not self.allowed(origin, hosts):
                 message = (f"origin {origin} may not call this server: start it with "
                            "--allowed-origins naming it")
@@ -448,8 +449,8 @@ def _listen(host: str, port: int) -> list[socket.socket]:
     except socket.gaierror as e:
         raise ValueError(f"--host {host}: {e.strerror}") from None
     socks: list[socket.socket] = []
-    for family, kind, proto, _, addr in dict.fromkeys(
-            (i[0], i[1], i[2], "", i[4]) for i in infos):  # each address once, in order
+    # each address once, in order (getaddrinfo may list one per protocol)
+    for family, kind, proto, addr in dict.fromkeys((f, k, p, a) for f, k, p, _, a in infos):
         sock = socket.socket(family, kind, proto)
         socks.append(sock)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -206,9 +206,10 @@ UNSUPPORTED = {
 async def _unsupported(request: Request) -> None:
     what = UNSUPPORTED[request.scope["route"].path]
     name = _state(request).card.name
-    why = (f"this server generates text with {name}; run an embedding model elsewhere"
-           if what == "embeddings" else f"this server serves one model, {name}, loaded at "
-           "start-up")
+    if what == "embeddings":
+        why = f"this server generates text with {name}; run an embedding model elsewhere"
+    else:
+        why = f"this server serves one model, {name}, loaded at start-up"
     raise APIError(501, f"{what} is not supported: {why}")
 
 
