@@ -17,29 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
+from common import TANDEM, wait_ready
 
 LLAMA_SERVER = {1: 46.0, 4: 58.0, 16: 64.0, 32: 64.0}
-TANDEM = str(Path(sys.executable).parent / "tandem")
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
-    t = time.monotonic()
-    while time.monotonic() - t < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError("tandem serve exited during start-up")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("tandem serve did not become ready")
 
 
 def run_point(url: str, streams: int, per_stream: int, outdir: Path) -> dict:

@@ -1,13 +1,19 @@
-"""Run an ASGI app for a test: uvicorn in a thread on a free loopback port."""
+"""Servers for tests: an ASGI app in a thread (uvicorn), or ``tandem serve`` as a
+user starts it (a subprocess), each on a free loopback port."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import IO
 
+import httpx
 import uvicorn
 
 from tandem.entrypoints.server.app import uvicorn_config
@@ -50,3 +56,37 @@ def app_servers(make_app: Callable) -> Iterator[Callable[..., str]]:
     finally:
         for stop in stops:
             stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_cli(flags: list[str], timeout: float, output: IO | int = subprocess.PIPE
+              ) -> tuple[subprocess.Popen, str]:
+    """`tandem serve` with ``flags`` on a free port, once its /health answers 200.
+    ``output`` takes its stdout and stderr: a file for a chatty server (Ray's
+    workers log through it), so a full pipe never blocks it."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.entrypoints.cli", "serve", "--port", str(port), *flags],
+        stdout=output, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "TANDEM_API_KEY": ""},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else "exited"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    return proc, url
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "tandem serve did not come up"
+            time.sleep(0.2)
+    except BaseException:
+        proc.kill()
+        raise

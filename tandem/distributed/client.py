@@ -59,13 +59,11 @@ class RayEngineClient:
         self._ray = ray
         self.spec = spec
         self._stopped = threading.Event()
-        self._owns_ray = False
         files = resolve_model(config.model, config.load_format)  # a bad path fails here
         self._tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_dir(files.dir)
+        self._ray_thread: threading.Thread | None = None
         if not ray.is_initialized():
-            ray.init(address=spec.ray_address, include_dashboard=False,
-                     logging_level=logging.WARNING)
-            self._owns_ray = True
+            self._ray_thread = _start_ray(ray, spec.ray_address, self._stopped)
         names = spec.roles
         have = ray.cluster_resources().get("CPU", 0.0)
         if len(names) * spec.num_cpus > have:
@@ -158,11 +156,11 @@ class RayEngineClient:
         return self._stopped.is_set() or not any(r.healthy for r in self.router.replicas)
 
     def shutdown(self) -> None:
-        self._stopped.set()
         for a in getattr(self, "actors", []):
             self._ray.kill(a, no_restart=True)
-        if self._owns_ray:
-            self._ray.shutdown()
+        self._stopped.set()  # the thread that started Ray shuts it down and ends
+        if self._ray_thread is not None:
+            self._ray_thread.join(timeout=60)
 
     # ------------------------------------------------------------- streaming
     async def _stream(self, pool: list[int], ids: Sequence[int], rid: str, call
@@ -253,8 +251,10 @@ class RayEngineClient:
         """No requests go to replica i, and /metrics leaves it out, until it answers."""
         with self._lock:
             if self.router.replicas[i].healthy:
-                logger.error("replica %s is down (%s): no requests go there until it is "
-                             "back", self.names[i], type(e).__name__)
+                logger.error("replica %s is down (%s): %s\nNo requests go there until Ray "
+                             "has restarted it (at most --max-restarts %d times in all)",
+                             self.names[i], type(e).__name__, str(e).strip(),
+                             self.spec.max_restarts)
             self.router.set_healthy(i, False)
             self._stats[i] = None
 
@@ -287,6 +287,39 @@ class RayEngineClient:
                 self.router.update(i, stats.num_waiting + stats.num_pending,
                                    stats.kv_cache_usage, r.max_num_seqs)
                 self.router.set_healthy(i, True)
+
+
+def _start_ray(ray, address: str | None, stopped: threading.Event) -> threading.Thread:
+    """``ray.init`` in a thread that lives until ``stopped``, then shuts Ray down.
+
+    A local Ray's processes (raylet, object store, GCS) are started with
+    PR_SET_PDEATHSIG, which Linux fires when the *thread* that forked them exits,
+    not the process. ``tandem serve`` loads in a thread that ends once the model is
+    loaded: started there, the raylet was killed a moment after start-up, and the
+    first ``ray.put`` (a prefill replica exporting its KV) killed the actor with
+    "connection to the plasma store failed". Replicas that never touch the object
+    store kept answering, over direct actor calls, until they were restarted.
+    """
+    started = threading.Event()
+    failure: list[BaseException] = []
+
+    def hold() -> None:
+        try:
+            ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+        except BaseException as e:  # re-raised in the caller's thread
+            failure.append(e)
+            return
+        finally:
+            started.set()
+        stopped.wait()
+        ray.shutdown()
+
+    thread = threading.Thread(target=hold, name="tandem-ray", daemon=True)
+    thread.start()
+    started.wait()
+    if failure:
+        raise failure[0]
+    return thread
 
 
 def merge_stats(stats: list[EngineStats]) -> EngineStats:

@@ -15,41 +15,11 @@ import httpx
 
 from tandem.entrypoints.cli import main
 from tests.conftest import TINY_CONFIG
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve(flags: list[str], timeout: float) -> tuple[subprocess.Popen, str]:
-    """`tandem serve` with ``flags`` on a free port, once its /health answers 200."""
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.entrypoints.cli", "serve", "--port", str(port), *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "TANDEM_API_KEY": ""},
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    return proc, url
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "tandem serve did not come up"
-            time.sleep(0.2)
-    except BaseException:
-        proc.kill()
-        raise
+from tests.serving import free_port, serve_cli
 
 
 def test_serve_subprocess_end_to_end(tiny_config_path):
-    proc, url = _serve(
+    proc, url = serve_cli(
         ["--model", tiny_config_path, "--load-format", "dummy", "--kv-cache-memory", "1MiB",
          "--max-model-len", "128", "--served-model-name", "tiny", "tiny-alias",
          "--max-queue", "3", "--no-access-log", "--skip-tokenizer-init"], timeout=60)
@@ -74,7 +44,7 @@ def test_ctrl_c_while_the_model_loads_exits_cleanly(tmp_path):
               "head_dim": 64, "vocab_size": 32000, "max_position_embeddings": 2048}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tandem.entrypoints.cli", "serve", "--port", str(port),
          "--model", str(path), "--load-format", "dummy", "--skip-tokenizer-init",
@@ -128,7 +98,7 @@ def test_an_exit_signal_ends_running_requests_in_their_api_error(tmp_path):
     import json
     import threading
 
-    proc, url = _serve(["--kv-cache-memory", "64MiB", "--max-model-len", "2048",
+    proc, url = serve_cli(["--kv-cache-memory", "64MiB", "--max-model-len", "2048",
                         "--no-access-log"], timeout=120)
     body = {"messages": [{"role": "user", "content": "Count."}], "max_tokens": 1500,
             "ignore_eos": True, "temperature": 0}

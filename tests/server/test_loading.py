@@ -19,16 +19,10 @@ import pytest
 from tandem.entrypoints.cli import main
 from tandem.entrypoints.server.app import ServerConfig, build_app, run_server
 from tests.server.conftest import tiny_engine
-from tests.serving import serve_app
+from tests.serving import free_port, serve_app
 
 LOADING_OPENAI = {"error": {"message": "Loading model", "type": "unavailable_error",
                             "param": None, "code": 503}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_healthy(url: str, timeout: float = 30.0) -> None:
@@ -164,12 +158,12 @@ def test_run_server_stops_and_reraises_a_failed_load():
 
     t0 = time.monotonic()
     with pytest.raises(ValueError, match="does not exist"):
-        run_server(load, ServerConfig(), "127.0.0.1", _free_port(), access_log=False)
+        run_server(load, ServerConfig(), "127.0.0.1", free_port(), access_log=False)
     assert started.is_set() and time.monotonic() - t0 < 15
 
 
 def test_serve_with_a_bad_model_exits_2_with_the_message(capsys):
-    rc = main(["serve", "--model", "/nonexistent/model.gguf", "--port", str(_free_port()),
+    rc = main(["serve", "--model", "/nonexistent/model.gguf", "--port", str(free_port()),
                "--no-access-log"])
     assert rc == 2
     err = capsys.readouterr().err
@@ -187,7 +181,7 @@ def test_a_host_name_is_listened_on_at_every_address(monkeypatch):
             probe.bind(("::1", 0))
     except OSError:
         pytest.skip("no IPv6 loopback here")
-    port = _free_port()
+    port = free_port()
     both = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port)),
             (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
             (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]

@@ -35,7 +35,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem import __version__
-from tandem.engine.client import EngineClient
+from tandem.engine.client import EngineClient, ReplicaSet
 from tandem.entrypoints.server import dashboard, defaults, ollama, openai, responses
 from tandem.entrypoints.server.admission import Admission
 from tandem.entrypoints.server.dashboard import DashboardConfig
@@ -138,8 +138,14 @@ def build_app(engine: EngineClient | Loader, config: ServerConfig | None = None)
 
     @app.get("/health")
     async def health() -> Response:
-        if app.state.tandem.engine.dead:
+        engine = app.state.tandem.engine
+        if engine.dead:
             return JSONResponse({"error": "the engine loop is not running"}, status_code=503)
+        if isinstance(engine, ReplicaSet):  # healthy only while every replica answers
+            down = [name for name, s in engine.replica_stats().items() if s is None]
+            if down:
+                return JSONResponse({"error": f"replicas not answering (restarting, or "
+                                              f"gone): {', '.join(down)}"}, status_code=503)
         return Response(status_code=200)
 
     @app.get("/version")
