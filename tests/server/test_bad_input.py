@@ -163,9 +163,6 @@ CASES = [
      "tool_choice names the function 'g'"),
     ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, 400,
      "functions"),
-    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [
-        {"type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]}, 400,
-     "messages[0].tool_calls[0].function.arguments must be a JSON object"),
     ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, 400,
      "previous_response_id is not supported"),
     ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "c"}]}, 400,
@@ -280,7 +277,7 @@ def test_unknown_fields_are_ignored(real_server):
 def test_null_is_the_fields_default(real_server, path, body):
     """The OpenAI SDK sends a Python None as null (``n=None``), which OpenAI and
     Ollama's decoder read as the default."""
-    limit = {"max_output_tokens": 2} if path == "/v1/responses" else {"max_tokens": 2}
+    limit = {"max_output_tokens": 16} if path == "/v1/responses" else {"max_tokens": 2}
     if path.startswith("/api/"):
         limit = {}
     r = httpx.post(f"{real_server.url}{path}", headers=real_server.headers,

@@ -277,7 +277,7 @@ def test_earlier_reasoning_reaches_the_template(thinker):
         items = [ASK[0], *thought, {"role": "assistant", "content": "Paris."},
                  {"role": "user", "content": "And of Spain?"}]
         return httpx.post(f"{thinker.url}/v1/responses", json={
-            "input": items, "max_output_tokens": 1}, timeout=60).json()["usage"]["input_tokens"]
+            "input": items, "max_output_tokens": 16}, timeout=60).json()["usage"]["input_tokens"]
 
     thought = {"type": "reasoning", "id": "rs_1", "summary": [],
                "content": [{"type": "reasoning_text", "text": "Easy, it is Paris."}]}

@@ -115,7 +115,7 @@ def _request(rng: random.Random) -> tuple[str, str, dict]:
         if rng.random() < 0.5:
             body.update(tools=[{"type": "function", **TOOL["function"]}], tool_choice="required")
         return kind, "/v1/responses", body if open_ended else {**body,
-                                                               "max_output_tokens": limit}
+                                                               "max_output_tokens": max(limit, 16)}
     options = {} if open_ended else {"num_predict": limit}
     if kind == "generate":
         return kind, "/api/generate", {"model": MODEL, "prompt": _text(rng, 1, 80),

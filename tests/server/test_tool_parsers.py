@@ -137,12 +137,14 @@ def test_array_and_arguments_modes(step):
     content, calls, p = run("array", text, step)
     assert calls == {0: ("f", '{"a": "]}"}'), 1: ("get_weather", "{}")}
     assert all(c.complete for c in p.result()[1])
-    # cut by max_tokens: a forced call is still a call, as streamed
+    # cut by max_tokens: streamed as far as it went, but no call in the whole result
     _, calls, p = run("array", text[:-4], step)
     assert calls == {0: ("f", '{"a": "]}"}'), 1: ("get_weather", "")}
-    assert [(c.name, c.complete) for c in p.result()[1]] == [("f", True), ("get_weather", False)]
+    assert [(c.name, c.complete) for c in p.result()[1]] == [("f", True)]
     content, calls, p = run("arguments", '{"city": "Oslo"}', step, name="get_weather")
     assert calls == {0: ("get_weather", '{"city": "Oslo"}')} and content == ""
+    _, _, p = run("arguments", '{"city": "Os', step, name="get_weather")
+    assert p.result() == (None, [])
 
 
 def test_template_family():

@@ -68,11 +68,12 @@ def make_sampling_params(state: ServerState, max_tokens: int | None, **given) ->
         raise APIError(400, str(e), param=field if field in fields else None) from None
 
 
-def given_max_tokens(value: int | None, field: str) -> int | None:
+def given_max_tokens(value: int | None, field: str, minimum: int = 1) -> int | None:
     """A token limit sent under another name than ``max_tokens`` (``max_completion_tokens``,
-    ``max_output_tokens``), checked here so its 400 names the field the client sent."""
-    if value is not None and value < 1:
-        raise APIError(400, f"{field} must be at least 1, got {value}", param=field)
+    ``max_output_tokens``), checked here so its 400 names the field the client sent.
+    ``minimum``: the API's own floor (16 for the Responses API's, as OpenAI's)."""
+    if value is not None and value < minimum:
+        raise APIError(400, f"{field} must be at least {minimum}, got {value}", param=field)
     return value
 
 

@@ -286,9 +286,8 @@ async def _chat_ids(state: ServerState, req: ChatCompletionRequest | TokenizeReq
             msg["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {
                     "name": c.function.name,
-                    "arguments": json_arguments(c.function.arguments,
-                                                f"messages[{i}].tool_calls[{j}].function.arguments")}}
-                for j, c in enumerate(m.tool_calls)]
+                    "arguments": json_arguments(c.function.arguments)}}
+                for c in m.tool_calls]
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
         thinking = m.reasoning_content or m.reasoning

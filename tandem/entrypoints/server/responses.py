@@ -72,6 +72,9 @@ _ITEMS: dict[str, type[BaseModel]] = {
 
 
 LOGPROBS = "message.output_text.logprobs"  # the include value that asks for them
+# OpenAI's floor for max_output_tokens: a smaller value is a 400 there ("integer below
+# minimum value"), so a client tried here first does not fail on OpenAI.
+MIN_OUTPUT_TOKENS = 16
 
 
 def _id(prefix: str) -> str:
@@ -100,7 +103,8 @@ async def responses(request: Request):
     messages, tools = template_messages(_messages(req), plan, state.tokenizer.chat_template)
     ids = await state.chat_ids(messages, tools=tools)
     reasoner, constraint = state.reasoning_for(ids, constraint)
-    max_tokens = given_max_tokens(req.max_output_tokens, "max_output_tokens")
+    max_tokens = given_max_tokens(req.max_output_tokens, "max_output_tokens",
+                                  MIN_OUTPUT_TOKENS)
     if max_tokens is None:
         max_tokens = open_ended_max_tokens(state, len(ids))
     logprobs.check_top(req.top_logprobs, "top_logprobs")
@@ -148,6 +152,7 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     if not req.input:
         raise bad_request("input must not be empty", "input")
     thought = ""  # a reasoning item's text, for the assistant turn that follows it
+    call_ids: set[str] = set()  # the function calls so far, which outputs answer
     for i, raw in enumerate(req.input):
         kind = raw.get("type") or "message"  # null, as left out: a message
         if not isinstance(kind, str):
@@ -169,15 +174,19 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             out.append({"role": "system" if item.role == "developer" else item.role,
                         "content": _text(item.content)})
         elif isinstance(item, ResponsesFunctionCallItem):
+            call_ids.add(item.call_id)
             call = {"id": item.call_id, "type": "function", "function": {
                 "name": item.name,
-                "arguments": json_arguments(item.arguments, f"input[{i}].arguments")}}
+                "arguments": json_arguments(item.arguments)}}
             if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
                 out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         else:
             assert isinstance(item, ResponsesFunctionCallOutputItem)
+            if item.call_id not in call_ids:  # as OpenAI answers it: the output answers nothing
+                raise bad_request(f"input[{i}]: no tool call found for function call output "
+                                  f"with call_id {item.call_id!r}", "input")
             out.append({"role": "tool", "content": _text(item.output),
                         "tool_call_id": item.call_id})
         if out and out[-1]["role"] == "assistant" and thought:

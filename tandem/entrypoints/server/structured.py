@@ -274,10 +274,7 @@ def template_messages(messages: list[dict[str, Any]], plan: ToolPlan | None,
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         if m.get("tool_calls"):
-            calls = "\n".join(
-                f"{TOOL_CALL_OPEN}\n" + json.dumps({"name": c["function"]["name"],
-                                                     "arguments": c["function"]["arguments"]})
-                + f"\n{TOOL_CALL_CLOSE}" for c in m["tool_calls"])
+            calls = "\n".join(_call_text(c) for c in m["tool_calls"])
             text = (m["content"] + "\n" if m["content"] else "") + calls
             out.append({"role": m["role"], "content": text})
         elif m["role"] == "tool":  # Qwen2.5's way: consecutive results in one user turn
@@ -298,18 +295,30 @@ def template_messages(messages: list[dict[str, Any]], plan: ToolPlan | None,
     return out, None
 
 
-def json_arguments(text: str, param: str) -> dict:
-    """A tool call's arguments string as the object chat templates render; an
-    empty one (a call cut off before its arguments) as {}, as vLLM reads it."""
+def json_arguments(text: str) -> dict | str:
+    """A tool call's arguments string as chat templates render it: the JSON object it
+    holds, or the text itself when it holds none. OpenAI takes ``arguments`` back as
+    an opaque string, and a history this server wrote may carry a call cut by
+    max_tokens; refused, the agent's next turn was a 400 and its loop was dead. An
+    empty string (a call cut before its arguments) is {}, as vLLM reads it."""
     if not text.strip():
         return {}
     try:
         value = json.loads(text)
-    except ValueError as e:
-        raise bad_request(f"{param} is not valid JSON: {e}", param) from None
-    if not isinstance(value, dict):
-        raise bad_request(f"{param} must be a JSON object", param)
-    return value
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def _call_text(call: dict[str, Any]) -> str:
+    """One call as Hermes's tags hold it; arguments that are no JSON object as their
+    raw text, where the model would have written them."""
+    name, args = call["function"]["name"], call["function"]["arguments"]
+    if isinstance(args, str):
+        return f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": {args}}}\n' \
+               f"{TOOL_CALL_CLOSE}"
+    return f"{TOOL_CALL_OPEN}\n{json.dumps({'name': name, 'arguments': args})}\n" \
+           f"{TOOL_CALL_CLOSE}"
 
 
 def _hermes_system_prompt(tools: list[dict[str, Any]]) -> str:

@@ -318,8 +318,8 @@ class ToolCallParser:
         if self._held and not self._after_call:
             out.append(Delta(content=self._held))
         self._held = ""
-        if self.mode == "arguments":
-            self.calls[0].complete = True
+        if self.mode == "arguments":  # complete once its object has closed
+            self.calls[0].complete = is_json_object(self.calls[0].arguments)
         return self._sent(out, final=True)
 
     def _sent(self, out: list[Delta], final: bool = False) -> list[Delta]:
@@ -473,13 +473,15 @@ class ToolCallParser:
 
     # --------------------------------------------------------------- result
     def result(self) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a whole response, as the stream sent them. When the
-        model chose (hermes, llama3_json), a call that does not parse, or names an
-        unknown function, is content: it wrote something else. When a grammar
-        forced the calls (array, arguments), they are calls even if max_tokens cut
-        the last one short; finish_reason ``length`` (or ``stop``) says so."""
+        """(content, calls) of a whole response. When the model chose (hermes,
+        llama3_json), a call that does not parse, or names an unknown function, is
+        content: it wrote something else. When a grammar forced the calls (array,
+        arguments), a call that max_tokens or a stop cut short is left out: an agent
+        runs every call in ``tool_calls``, and unfinished arguments are no call
+        (finish_reason ``length`` or ``stop`` says it was cut). A stream has sent
+        its start already; what was sent stays sent."""
         if self.forced:
-            return None, self.calls
+            return None, [c for c in self.calls if c.complete and is_json_object(c.arguments)]
         if not self.calls:
             return self.content, []
         return (self.content if self.content.strip() else None), self.calls
