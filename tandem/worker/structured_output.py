@@ -50,6 +50,7 @@ from tandem.sampling_params import (
     StructuredOutputsParams,
     partial_suffix,
 )
+from tandem.worker.unique_items import UniqueItems, Vocabulary, wants_unique_items
 
 if TYPE_CHECKING:
     from tandem.core.request import Request
@@ -218,13 +219,16 @@ class StructuredOutputRequest:
     (the first token: the grammar's, or ``<think>``, which starts the block).
     """
 
-    __slots__ = ("matcher", "phase", "pending", "field", "_recent", "_decode", "_open_id")
+    __slots__ = ("matcher", "phase", "pending", "field", "unique", "_recent", "_decode",
+                 "_open_id")
 
     def __init__(self, matcher, phase: str = "grammar",
                  decode: Callable[[list[int]], str] | None = None,
-                 open_id: int | None = None, field: str = "grammar") -> None:
+                 open_id: int | None = None, field: str = "grammar",
+                 unique: UniqueItems | None = None) -> None:
         self.matcher = matcher  # llguidance.LLMatcher
         self.field = field  # the spec's field (spec_key), named by a failure
+        self.unique = unique  # a top-level array's uniqueItems, which llguidance ignores
         self.phase = phase
         self.pending = ""
         self._recent: list[int] = []  # the last output tokens, while thinking
@@ -253,6 +257,8 @@ class StructuredOutputRequest:
         # tokens, which the matcher would take: checked first, or it read as done.
         if m.is_error() or not m.consume_token(token_id):
             raise GrammarFailedError(_failure(self.field, m))
+        if self.unique is not None:
+            self.unique.accept(token_id)
         return m.is_stopped()
 
     @property
@@ -282,6 +288,7 @@ class StructuredOutputManager:
         self._grammars: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._bitmask: torch.Tensor | None = None
         self._tag_ends: dict[str, torch.Tensor | None] = {}  # see _prepare_tag_ends
+        self._vocab: Vocabulary | None = None
 
     # ------------------------------------------------------------ compile
     def new_request(self, spec: StructuredOutputsParams) -> StructuredOutputRequest:
@@ -297,9 +304,18 @@ class StructuredOutputManager:
             else:
                 self._grammars.move_to_end(key)
             phase = self._phase(spec)
+            unique = UniqueItems(self._vocabulary()) if wants_unique_items(spec.json) else None
             return StructuredOutputRequest(pristine.deep_copy(), phase, self._decode,
                                            self._open_id if phase == "may_open" else None,
-                                           key[0])
+                                           key[0], unique)
+
+    def _vocabulary(self) -> Vocabulary:
+        """Every token's bytes, read once from the grammar's tokenizer (under the lock)."""
+        if self._vocab is None:
+            tok = self._ll_tokenizer
+            self._vocab = Vocabulary([tok.decode_bytes([i]) for i in range(self.vocab_size)],
+                                     self.eos_token_ids)
+        return self._vocab
 
     def _phase(self, spec: StructuredOutputsParams) -> str:
         """The first phase of a request (see StructuredOutputRequest). A first token
@@ -359,7 +375,10 @@ class StructuredOutputManager:
                 llg.LLTokenizer.json_slices())
         try:
             if field == "json":
-                schema = json.dumps(compiled_schema(json.loads(text)))
+                schema = compiled_schema(json.loads(text))
+                if wants_unique_items(schema):  # llguidance refuses it; masks() enforces it
+                    schema = {k: v for k, v in schema.items() if k != "uniqueItems"}
+                schema = json.dumps(schema)
                 grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
             elif field == "json_object":
                 grammar = llg.LLMatcher.grammar_from_json_schema(
@@ -409,6 +428,8 @@ class StructuredOutputManager:
                 words[j] = self._tag_ends[grammar.pending]
                 continue
             grammar.matcher.unsafe_compute_mask_ptr(base + j * nbytes, nbytes)
+            if grammar.unique is not None:
+                grammar.unique.narrow(grammar.matcher, words[j].numpy())
             if grammar.phase == "may_open":  # <think> besides the grammar's first tokens
                 word, bit = divmod(self._open_id, 32)
                 words[j, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
@@ -224,6 +225,26 @@ def test_the_oslo_loop_replays_its_own_history(client):
     again = client.chat.completions.create(model="smollm2", messages=history, tools=[tool],
                                            temperature=0, max_tokens=8)
     assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_parallel_forced_calls_never_repeat_one(client):
+    """Under ``required`` with parallel calls the grammar admits no second call with the
+    name and arguments of one already made (the default model repeated a search until
+    max_tokens): 100 seeds at temperature 1.0."""
+    tool = {"type": "function", "function": {"name": "web_search", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}
+    ask = [{"role": "user", "content": "Search the web for the latest Python release."}]
+
+    def calls(seed: int) -> list[tuple[str, str]]:
+        choice = client.chat.completions.create(
+            model="smollm2", messages=ask, tools=[tool], tool_choice="required",
+            max_tokens=100, seed=seed, **HOT).choices[0]
+        return [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+
+    with ThreadPoolExecutor(16) as pool:
+        made = list(pool.map(calls, range(100)))
+    assert all(len(set(c)) == len(c) for c in made), [c for c in made if len(set(c)) < len(c)]
+    assert sum(len(c) > 1 for c in made) >= 5  # parallel calls are still made
 
 
 def test_named_function_yields_that_function_streamed_and_not(client):

@@ -27,6 +27,7 @@ from tandem.worker.structured_output import (  # noqa: E402
     compiled_schema,
     spec_key,
 )
+from tandem.worker.unique_items import ItemScanner  # noqa: E402
 
 V = 49152
 EOS = (0, 2)  # SmolLM2's <|endoftext|> and <|im_end|>
@@ -321,3 +322,57 @@ def test_a_digit_is_an_ascii_digit(manager, tokenizer):
                             "patternProperties": {"^x[0-9]$": {}}}  # open: patternProperties
     assert first_tokens(SO(regex=r"[\d_]")) == digits | {
         tokenizer.encode("_", add_special_tokens=False)[0]}
+
+
+def test_the_item_scanner_reads_items_whatever_they_hold():
+    s = ItemScanner()
+    assert s.feed(b'[{"a": "x}]"}, "s\\"],", 1') and s.items == [b'{"a": "x}]"}', b'"s\\"],"']
+    assert s.cur == b"1" and s.on_track() == []
+    assert s.feed(b"2, [1, {}], 12") and s.items[2:] == [b"12", b"[1, {}]"]
+    assert not s.copy().feed(b"]")  # "12" again, ended by the array's close
+    assert s.copy().feed(b"3]")
+    assert not s.copy().feed(b', [1, {}]')  # an object or list repeats once it closes
+
+
+def walk(manager, tokenizer, schema, text):
+    """A request of ``schema`` that has taken ``text``; the decoded texts its mask allows."""
+    grammar = manager.new_request(SO(json=schema))
+    for t in tokenizer.encode(text, add_special_tokens=False):
+        grammar.accept(t)
+    return grammar, {tokenizer.decode([t]) for t in allowed(manager.masks([req(grammar)]), 0)}
+
+
+UNITS = {"type": "array", "uniqueItems": True,
+         "items": {"type": "string", "enum": ["c", "f"]}}
+
+
+def test_unique_items_bans_completing_a_copy_and_steers_off_dead_ends(manager, tokenizer):
+    _, texts = walk(manager, tokenizer, UNITS, '["c", "')
+    assert texts and all(t.startswith("f") for t in texts), texts  # "c" again: banned
+    _, texts = walk(manager, tokenizer, UNITS, '["c", "f"')
+    # ", " could only lead to a third unit, a copy: the array must close
+    assert texts and all(t.startswith("]") for t in texts), texts
+    _, texts = walk(manager, tokenizer, {k: v for k, v in UNITS.items() if k != "uniqueItems"},
+                    '["c", "')
+    assert any(t.startswith("c") for t in texts)  # without the key, llguidance's own mask
+
+
+def test_unique_tool_calls_steer_the_last_free_choice(manager, tokenizer):
+    call = {"type": "object", "properties": {
+        "name": {"enum": ["w"]}, "arguments": {"type": "object", "properties": {
+            "city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"]}}, "required": ["name", "arguments"]}
+    schema = {"type": "array", "uniqueItems": True, "items": call}
+    first = '[{"name": "w", "arguments": {"city": "Oslo", "unit": "c"}}, '
+    _, texts = walk(manager, tokenizer, schema, first + '{"name": "w", "arguments": '
+                    '{"city": "Oslo", "unit": "')
+    assert texts and all(t.startswith("f") for t in texts), texts
+    _, texts = walk(manager, tokenizer, schema, first + '{"name": "w", "arguments": '
+                    '{"city": "Os')
+    assert any(t.startswith("lo") for t in texts)  # "Oslo" with "f" is still a new call
+
+
+def test_unique_items_never_empties_a_mask(manager, tokenizer):
+    schema = {"type": "array", "uniqueItems": True, "minItems": 2, "items": {"const": "x"}}
+    _, texts = walk(manager, tokenizer, schema, '["x", ')
+    assert texts and all(t.startswith('"') for t in texts)  # the grammar asks for a copy

@@ -176,7 +176,9 @@ class ToolPlan:
                       for i in range(len(self.names))},
             "type": "array", "minItems": 1,
             "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
-        if not self.parallel:
+        if self.parallel:  # distinct calls: a small model repeated one until max_tokens
+            schema["uniqueItems"] = True
+        else:
             schema["maxItems"] = 1
         return _schema(schema, "tools")
 
