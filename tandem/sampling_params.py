@@ -75,14 +75,19 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None  # any JSON object (OpenAI's json_object mode)
+    # Free text, but from a trigger on, one of the structures (vLLM's field):
+    # {"structures": [{"begin": str, "schema": {...}, "end": str}], "triggers": [str]}.
+    structural_tag: str | dict[str, Any] | None = None
     reasoning: str | None = None  # None, or one of REASONING_STARTS
 
     def __post_init__(self) -> None:
-        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
-                 if getattr(self, k) not in (None, False)]
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object",
+                             "structural_tag") if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError("structured_outputs needs exactly one of json, regex, choice, "
-                             f"grammar, json_object; got {given or 'none'}.")
+                             f"grammar, json_object, structural_tag; got {given or 'none'}.")
+        if self.structural_tag is not None:
+            self.structural_tag = _checked_structural_tag(self.structural_tag)
         if isinstance(self.json, str):
             try:
                 self.json = json.loads(self.json)
@@ -105,6 +110,31 @@ class StructuredOutputsParams:
         if self.reasoning is not None and self.reasoning not in REASONING_STARTS:
             raise ValueError(f"structured_outputs.reasoning must be one of "
                              f"{', '.join(REASONING_STARTS)} or None, got {self.reasoning!r}.")
+
+
+def _checked_structural_tag(tag: str | dict[str, Any]) -> dict[str, Any]:
+    """vLLM's structural tag, as an object: every structure's begin starts with a trigger."""
+    where = "structured_outputs.structural_tag"
+    if isinstance(tag, str):
+        try:
+            tag = json.loads(tag)
+        except ValueError as e:
+            raise ValueError(f"{where} is not valid JSON: {e}") from None
+    triggers = tag.get("triggers") if isinstance(tag, dict) else None
+    structures = tag.get("structures") if isinstance(tag, dict) else None
+    if not isinstance(triggers, list) or not triggers or \
+            not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError(f"{where}.triggers must be a non-empty list of non-empty strings.")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError(f"{where}.structures must be a non-empty list.")
+    for i, st in enumerate(structures):
+        if not isinstance(st, dict) or not isinstance(st.get("begin"), str) or \
+                not isinstance(st.get("end"), str) or not isinstance(st.get("schema"), dict):
+            raise ValueError(f"{where}.structures[{i}] needs begin and end (strings) and "
+                             "schema (an object).")
+        if not any(st["begin"].startswith(t) for t in triggers):
+            raise ValueError(f"{where}.structures[{i}].begin starts with none of the triggers.")
+    return tag
 
 
 @dataclass

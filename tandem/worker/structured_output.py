@@ -180,6 +180,8 @@ def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
         return "regex", spec.regex
     if spec.choice is not None:
         return "choice", json.dumps(spec.choice)
+    if spec.structural_tag is not None:
+        return "structural_tag", json.dumps(spec.structural_tag, separators=(",", ":"))
     assert spec.grammar is not None  # StructuredOutputsParams checks exactly one is set
     return "grammar", spec.grammar
 
@@ -387,12 +389,15 @@ class StructuredOutputManager:
                 grammar = llg.LLMatcher.grammar_from_regex(ascii_digits(text))
             elif field == "choice":
                 grammar = llg.grammar_from("choice", text)
+            elif field == "structural_tag":
+                grammar = _structural_tag_grammar(llg, json.loads(text))
             else:  # Lark, or GBNF (converted to Lark)
                 grammar = llg.grammar_from("grammar", text)
         except ValueError as e:
             raise ValueError(f"structured_outputs.{field} cannot be compiled: "
                              f"{_compile_error(str(e))}") from None
-        tokenizer = self._ll_json_tokenizer if field in ("json", "json_object") \
+        tokenizer = self._ll_json_tokenizer if field in ("json", "json_object",
+                                                         "structural_tag") \
             else self._ll_tokenizer
         matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
@@ -434,6 +439,17 @@ class StructuredOutputManager:
                 word, bit = divmod(self._open_id, 32)
                 words[j, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)
         return torch.tensor(rows, dtype=torch.long), words
+
+
+def _structural_tag_grammar(llg, tag: dict) -> str:
+    """Free text in which each trigger starts a structure: its begin, a JSON value of its
+    schema (compiled as a ``json`` spec's is), its end. llguidance's lazy lexemes find
+    the triggers, so the text before and between structures is not constrained."""
+    tags = [llg.StructTag(trigger=next(t for t in tag["triggers"] if s["begin"].startswith(t)),
+                          begin=s["begin"], end=s["end"],
+                          grammar={**compiled_schema(s["schema"]), "x-guidance": JSON_OPTIONS})
+            for s in tag["structures"]]
+    return llg.LLMatcher.grammar_from_lark(llg.StructTag.to_grammar(tags, assume_special=False))
 
 
 def _overshoots(text: str) -> bool:

@@ -315,6 +315,41 @@ def test_auto_parses_hermes_calls_and_leaves_text_as_content(client):
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
 
 
+STRICT_TOOLS = [{"type": "function", "function": {**t["function"], "strict": True}}
+                for t in TOOLS]
+
+
+def _weather_call(i: int, city: str) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": f"call_{i}", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": city, "unit": "celsius"})}}]}
+
+
+# Two turns answered by calls: the default model follows with a call of its own.
+FOLLOW = [{"role": "user", "content": "Weather in Oslo?"}, _weather_call(1, "Oslo"),
+          {"role": "user", "content": "Weather in Rome?"}, _weather_call(2, "Rome"),
+          {"role": "user", "content": "Weather in Paris?"}]
+
+
+def test_strict_tools_under_auto_call_only_valid_arguments(client):
+    """strict tools under auto: once the model opens a call, its name is a tool's and its
+    arguments follow that tool's schema (50 seeds at temperature 1); text stays free.
+    Unconstrained, one of these 50 opened a <tool_call> with no name, left as content."""
+    def choice(seed: int, messages: list[dict]):
+        return client.chat.completions.create(
+            model="smollm2", messages=messages, tools=STRICT_TOOLS, tool_choice="auto",
+            max_tokens=80, seed=seed, **HOT).choices[0]
+
+    with ThreadPoolExecutor(16) as pool:
+        made = list(pool.map(lambda s: choice(s, FOLLOW), range(50)))
+        free = list(pool.map(lambda s: choice(s, ASK), range(8)))
+    calls = [c for ch in made for c in ch.message.tool_calls or []]
+    assert len(calls) >= 40
+    assert_valid_calls(calls)
+    assert not any("<tool_call>" in (ch.message.content or "") for ch in made)
+    assert any(ch.message.content and not ch.message.tool_calls for ch in free)
+
+
 def _forced(text: str) -> dict:
     """A structured_outputs regex that makes the model write exactly ``text``."""
     return {"structured_outputs": {"regex": re.escape(text)}}

@@ -4,6 +4,7 @@ applying a grammar mask to greedy and random rows."""
 
 from __future__ import annotations
 
+import re
 import sys
 from types import SimpleNamespace
 
@@ -376,3 +377,30 @@ def test_unique_items_never_empties_a_mask(manager, tokenizer):
     schema = {"type": "array", "uniqueItems": True, "minItems": 2, "items": {"const": "x"}}
     _, texts = walk(manager, tokenizer, schema, '["x", ')
     assert texts and all(t.startswith('"') for t in texts)  # the grammar asks for a copy
+
+
+@pytest.mark.parametrize("tag,words", [
+    ({"triggers": [], "structures": [{"begin": "<a>", "schema": {}, "end": ""}]}, "triggers"),
+    ({"triggers": ["<a>"], "structures": []}, "structures must"),
+    ({"triggers": ["<a>"], "structures": [{"begin": "<a>", "end": ""}]}, "structures[0] needs"),
+    ({"triggers": ["<a>"], "structures": [{"begin": "<b>", "schema": {}, "end": ""}]},
+     "none of the triggers"),
+    ("{", "not valid JSON"),
+])
+def test_a_structural_tag_of_the_wrong_shape_is_refused(tag, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        SO(structural_tag=tag)
+
+
+def test_a_structural_tag_leaves_text_free_and_constrains_from_its_trigger(manager, tokenizer):
+    schema = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}},
+              "required": ["unit"]}
+    tag = {"triggers": ["<call>"], "structures": [
+        {"begin": '<call>{"name": "w", "arguments": ', "schema": schema, "end": "}</call>"}]}
+    grammar = manager.new_request(SO(structural_tag=tag))
+    assert len(allowed(manager.masks([req(grammar)]), 0)) > V - 200  # free text
+    for t in tokenizer.encode('Sure. <call>{"name": "w", "arguments": {"unit": "',
+                              add_special_tokens=False):
+        grammar.accept(t)
+    texts = {tokenizer.decode([t]) for t in allowed(manager.masks([req(grammar)]), 0)}
+    assert texts == {"c", "f"}

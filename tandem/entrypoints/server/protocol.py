@@ -127,6 +127,7 @@ class StructuredOutputsBody(_Body):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
 
 class FunctionDefinition(_Body):

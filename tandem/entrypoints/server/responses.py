@@ -129,10 +129,11 @@ async def responses(request: Request):
 
 
 def _chat_tools(req: ResponsesRequest) -> list[ChatTool]:
-    """The flat Responses tools in chat completions' nested shape."""
+    """The flat Responses tools in chat completions' nested shape; ``strict`` defaults to
+    true here, as OpenAI's Responses API has it (chat completions: false)."""
     return [ChatTool(type="function", function=FunctionDefinition(
-        name=t.name, description=t.description, parameters=t.parameters, strict=t.strict))
-        for t in req.tools or []]
+        name=t.name, description=t.description, parameters=t.parameters,
+        strict=t.strict is not False)) for t in req.tools or []]
 
 
 def _chat_tool_choice(req: ResponsesRequest) -> str | NamedToolChoice | None:

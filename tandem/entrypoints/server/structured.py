@@ -48,6 +48,7 @@ class Constraint:
 
     params: StructuredOutputsParams
     param: str  # e.g. "response_format.json_schema.schema"
+    yields: bool = False  # strict tools under auto: a response format given beside wins
 
     def name_field(self, err: APIError) -> APIError:
         """The engine's compile error, reworded to name this request's field."""
@@ -104,7 +105,8 @@ def from_structured_outputs(so: StructuredOutputsBody | None) -> Constraint | No
     if so is None:
         return None
     given = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                               ("grammar", so.grammar), ("json_object", so.json_object))
+                               ("grammar", so.grammar), ("json_object", so.json_object),
+                               ("structural_tag", so.structural_tag))
              if v not in (None, False)}
     param = f"structured_outputs.{next(iter(given))}" if len(given) == 1 \
         else "structured_outputs"
@@ -126,6 +128,8 @@ def from_ollama_format(fmt: str | dict[str, Any] | None) -> Constraint | None:
 def one_constraint(*found: Constraint | None) -> Constraint | None:
     """At most one way of constraining the output per request."""
     given = [c for c in found if c is not None]
+    if len(given) > 1:
+        given = [c for c in given if not c.yields]
     if len(given) > 1:
         raise bad_request(f"{given[0].param} and {given[1].param} both constrain the output; "
                           "send one", given[1].param)
@@ -157,10 +161,13 @@ class ToolPlan:
 
     def constraint(self) -> Constraint | None:
         """required: a JSON list of calls (one if not parallel); a named function: its
-        arguments. Both as JSON schemas the grammar engine enforces."""
+        arguments (both JSON schemas the grammar engine enforces); auto with a strict
+        tool: each call the model opens (a structural tag)."""
         if self.choice == "function":
             i = self.names.index(self.name)  # type: ignore[arg-type]
             return _schema(self._parameters(i), _tool_field(i, self.fields, "parameters"))
+        if self.choice == "auto":
+            return self._strict_calls()
         if self.choice != "required":
             return None
         # Each tool's parameters sit under $defs, their own "#..." refs rebased there:
@@ -181,6 +188,27 @@ class ToolPlan:
         else:
             schema["maxItems"] = 1
         return _schema(schema, "tools")
+
+    def _strict_calls(self) -> Constraint | None:
+        """With a ``strict`` tool under auto, text stays free but a call, once its tag
+        (Hermes) or its ``{"name": `` (Llama 3) starts it, names one of the tools and
+        follows that tool's parameters (any JSON object for a tool not strict), as
+        OpenAI guarantees strict functions."""
+        if not any(t["function"].get("strict") for t in self.tools):
+            return None
+        if self.family == "hermes":
+            trigger, key, end = TOOL_CALL_OPEN, "arguments", "}\n" + TOOL_CALL_CLOSE
+            prefix = TOOL_CALL_OPEN + '\n{"name": '
+        else:
+            trigger = prefix = '{"name": '
+            key, end = "parameters", "}"
+        structures = [{"begin": f'{prefix}{json.dumps(name)}, "{key}": ', "end": end,
+                       "schema": self._parameters(i) if self.tools[i]["function"].get("strict")
+                       else {"type": "object"}}
+                      for i, name in enumerate(self.names)]
+        c = _constraint("tools", structural_tag={"triggers": [trigger], "structures": structures})
+        c.yields = True
+        return c
 
     def parser(self) -> ToolCallParser | None:
         known = set(self.names)
