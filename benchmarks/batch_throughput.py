@@ -51,7 +51,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from tandem.model.gguf import default_model_path, gguf_to_hf_dir
+    from tandem.model.gguf import gguf_to_hf_dir
+    from tandem.paths import default_model_path
 
     # The engine keeps no fp32 copy of a GGUF; HF needs one (made once, cached).
     hf_dir = gguf_to_hf_dir(default_model_path(), weights=True)

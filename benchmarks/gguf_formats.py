@@ -51,8 +51,8 @@ from quantization import TEXT, nll
 from synthetic_gguf import K_FALLBACK, can_quantize, copy_fields, write_atomically
 
 from tandem import LLM
-from tandem.model.gguf import cache_root_dir, default_model_path
 from tandem.model.linear import Int4Linear, Int8Linear, Linear
+from tandem.paths import cache_root_dir, default_model_path
 
 FORMAT_VERSION = 1  # bump when the written files change (the cache key carries it)
 # llama-quantize's type names, widest first, with the general.file_type each writes.

@@ -138,7 +138,7 @@ def available_types() -> list[str]:
 
 
 def default_path(shape: str, qtype: str) -> Path:
-    from tandem.model.gguf import cache_root_dir
+    from tandem.paths import cache_root_dir
 
     stem = f"llama-{shape}" if SHAPES[shape].arch == "llama" else shape
     return cache_root_dir() / "synthetic" / f"{stem}-{qtype}-v{FORMAT_VERSION}.gguf"
@@ -230,7 +230,7 @@ def write_synthetic(path: Path, shape: str, qtype_name: str, *, seed: int = 0,
                     log=None) -> dict:
     """Write the file at path (directly; see synthetic_gguf for the cached, atomic entry
     point). Returns {'seconds', 'bytes', 'params', 'maxrss_bytes'}."""
-    from tandem.model.gguf import default_model_path
+    from tandem.paths import default_model_path
 
     s = SHAPES[shape]
     qtype, ftype = TYPES[qtype_name]

@@ -44,7 +44,8 @@ def tiny_config_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def default_model_dir():
-    from tandem.model.gguf import default_model_path, gguf_to_hf_dir
+    from tandem.model.gguf import gguf_to_hf_dir
+    from tandem.paths import default_model_path
 
     return gguf_to_hf_dir(default_model_path(), weights=True)  # fp32 safetensors for HF
 

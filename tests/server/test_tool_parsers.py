@@ -14,7 +14,8 @@ import pytest
 from tandem.entrypoints.server.protocol import ChatTool, NamedToolChoice
 from tandem.entrypoints.server.structured import plan_tools, template_messages
 from tandem.entrypoints.server.tool_parsers import ToolCallParser, template_family
-from tandem.model.gguf import default_model_path, gguf_to_hf_dir
+from tandem.model.gguf import gguf_to_hf_dir
+from tandem.paths import default_model_path
 from tandem.tokenizer import Tokenizer
 
 KNOWN = {"get_weather", "f"}

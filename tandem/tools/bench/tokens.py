@@ -100,7 +100,8 @@ class LocalTokenizer:
     """A tokenizer loaded here: an HF model directory, a GGUF file, or tandem's default."""
 
     def __init__(self, path: str | None = None) -> None:
-        from tandem.model.gguf import default_model_path, gguf_to_hf_dir
+        from tandem.model.gguf import gguf_to_hf_dir
+        from tandem.paths import default_model_path
         from tandem.tokenizer import Tokenizer
 
         src = path or str(default_model_path())

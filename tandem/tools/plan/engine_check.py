@@ -87,7 +87,7 @@ def resolve_engine_model(ref: str | None) -> tuple[str | None, str, str]:
     same pool as the real weights would.
     """
     if ref is None or ref == "default":
-        from tandem.model.gguf import default_model_path
+        from tandem.paths import default_model_path
 
         path = str(default_model_path())
         return None, "auto", path
