@@ -24,6 +24,9 @@ from safetensors.torch import load_file
 from tandem import paths
 from tandem.kernels import custom_ops
 from tandem.model import gguf as tg
+from tandem.model.gguf import blocks as gguf_blocks
+from tandem.model.gguf import convert as gguf_convert
+from tandem.model.gguf import weights as gguf_weights
 from tandem.model.linear import quantize_int8_groups
 from tandem.tokenizer import Tokenizer
 from tandem.tools.plan.presets import load_model
@@ -73,7 +76,7 @@ def _assert_same_weights(out: Path, ref: dict[str, torch.Tensor], tied: bool,
         return
     # Read with the file's metadata parsed, and with the conversion's cached list
     # of tensors (gguf's reader not opened at all).
-    with mock.patch.object(tg, "_checked", side_effect=AssertionError("parsed")):
+    with mock.patch.object(gguf_weights, "checked", side_effect=AssertionError("parsed")):
         listed = tg.GGUFWeights(src, out)
 
     def check(native: tg.GGUFWeights) -> None:
@@ -86,7 +89,7 @@ def _assert_same_weights(out: Path, ref: dict[str, torch.Tensor], tied: bool,
 
     check(tg.GGUFWeights(src))
     check(listed)
-    with mock.patch.object(tg.mmap, "mmap", side_effect=OSError("no mmap")):
+    with mock.patch.object(gguf_weights.mmap, "mmap", side_effect=OSError("no mmap")):
         check(tg.GGUFWeights(src, out))  # a file system without mmap: the bytes are read
 
 
@@ -552,7 +555,7 @@ def test_a_sentencepiece_vocabulary_encodes_as_transformers_class(tmp_path, arch
     for write in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file):
         write()
     w.close()
-    tg._write_tokenizer(src, tmp_path / "tok")  # the tokenizer files of gguf_to_hf_dir
+    gguf_convert._write_tokenizer(src, tmp_path / "tok")  # the tokenizer files of gguf_to_hf_dir
     tok = Tokenizer.from_dir(tmp_path / "tok")
     ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=src.name)
     assert tok.vocab_size == len(ref) == len(tokens)
@@ -676,7 +679,8 @@ def test_a_tensor_cut_off_by_the_file_end_is_named(tmp_path, mapped):
     last = max(native._names, key=lambda n: native._names[n][0].data_offset)
     with contextlib.ExitStack() as stack:
         if not mapped:
-            stack.enter_context(mock.patch.object(tg.mmap, "mmap", side_effect=OSError("no")))
+            stack.enter_context(
+                mock.patch.object(gguf_weights.mmap, "mmap", side_effect=OSError("no")))
         with pytest.raises(ValueError, match="is truncated"):
             native.pop(last)
 
@@ -736,8 +740,8 @@ def test_q4_k_super_blocks_decode_to_int4_groups():
     raw[:, :, 0:4] = d.view(np.uint8).reshape(rows, blocks, 4)
     data = raw.reshape(rows, -1)
     ref = dequantize(data, GGMLQuantizationType.Q4_K)
-    parts = tg._BLOCK_DECODERS["Q4_K"](torch.from_numpy(data))
-    mine = tg._quantized_weight(*parts).dequantize().numpy()
+    parts = gguf_blocks.BLOCK_DECODERS["Q4_K"](torch.from_numpy(data))
+    mine = gguf_blocks.quantized_weight(*parts).dequantize().numpy()
     assert mine.shape == ref.shape == (rows, 256 * blocks)
     np.testing.assert_allclose(mine, ref, rtol=2e-3, atol=1e-6 + 2e-3 * np.abs(ref).max())
 
@@ -761,19 +765,19 @@ def test_k_quant_kernels_match_their_references_bit_for_bit():
 
     rng = np.random.default_rng(1)
     q4k = torch.from_numpy(_k_blocks(rng, 37, 3, 144, [0, 2]))
-    for mine, ref in zip(torch.ops.tandem.q4_k_to_int4(q4k), tg._decode_q4_k_numpy(q4k),
+    for mine, ref in zip(torch.ops.tandem.q4_k_to_int4(q4k), gguf_blocks._decode_q4_k_numpy(q4k),
                          strict=True):
         assert mine.shape == ref.shape and torch.equal(mine.view(torch.uint8),
                                                       ref.view(torch.uint8))
     for kind, size, d_at in (("Q6_K", 210, [208]), ("Q5_K", 176, [0, 2])):
         raw = _k_blocks(rng, 37, 3, size, d_at)
         ref = quantize_int8_groups(torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind])))
-        data, scale = tg._BLOCK_DECODERS[kind](torch.from_numpy(raw))
+        data, scale = gguf_blocks.BLOCK_DECODERS[kind](torch.from_numpy(raw))
         assert torch.equal(data, ref.data) and torch.equal(scale.view(torch.int16),
                                                            ref.scale.view(torch.int16))
         assert (data != 0).float().mean() > 0.5  # not a degenerate all-zero case
         with pytest.raises(RuntimeError, match=f"whole {size}-byte blocks"):
-            tg._BLOCK_DECODERS[kind](torch.from_numpy(raw[:, :-1].copy()))
+            gguf_blocks.BLOCK_DECODERS[kind](torch.from_numpy(raw[:, :-1].copy()))
 
 
 def test_requantized_k_quants_without_kernels(monkeypatch):
@@ -786,8 +790,8 @@ def test_requantized_k_quants_without_kernels(monkeypatch):
     rng = np.random.default_rng(2)
     for kind, size, d_at in (("Q6_K", 210, [208]), ("Q5_K", 176, [0, 2])):
         raw = _k_blocks(rng, 5, 2, size, d_at)
-        data, scale = tg._BLOCK_DECODERS[kind](torch.from_numpy(raw))
-        w = tg._quantized_weight(data, scale).dequantize()
+        data, scale = gguf_blocks.BLOCK_DECODERS[kind](torch.from_numpy(raw))
+        w = gguf_blocks.quantized_weight(data, scale).dequantize()
         ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]))
         step = scale.float().repeat_interleave(32, 1)
         assert ((w - ref).abs() <= step / 2 + 1e-6).all()
@@ -804,11 +808,11 @@ def test_q5_0_blocks_are_int8_groups_exactly(monkeypatch, kernels):
         pytest.skip("tandem's CPU kernels are unavailable")
     monkeypatch.setattr(custom_ops, "available", lambda: kernels)
     raw = _k_blocks(np.random.default_rng(3), 5, 3, 22, [0])
-    data, scale = tg._BLOCK_DECODERS["Q5_0"](torch.from_numpy(raw))
+    data, scale = gguf_blocks.BLOCK_DECODERS["Q5_0"](torch.from_numpy(raw))
     assert data.dtype == torch.int8 and data.shape == (5, 3, 32)
     assert int(data.min()) >= -16 and int(data.max()) <= 15
     ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q5_0))
-    assert torch.equal(tg._quantized_weight(data, scale).dequantize(), ref)
+    assert torch.equal(gguf_blocks.quantized_weight(data, scale).dequantize(), ref)
 
 
 def test_unsupported_architecture_is_named(tmp_path):
