@@ -1,8 +1,8 @@
 """tandem's fused CPU kernels (tandem/kernels/csrc/), built once per machine.
 
 The source (cpu_ops.cpp and the headers it includes) is compiled with the
-host's g++ against the installed torch's headers (~35 s on 2 cores, the first time only)
-into ``$TANDEM_CACHE/kernels`` and loaded as ``torch.ops.tandem.*``.
+host's g++ against the installed torch's headers (the first time only) into
+``$TANDEM_CACHE/kernels`` and loaded as ``torch.ops.tandem.*``.
 ``-march=native`` is safe because the build runs on the machine that uses it;
 the cache key includes the CPU's flags, so a cache directory shared with
 another CPU model rebuilds rather than crash.

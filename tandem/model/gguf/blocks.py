@@ -47,9 +47,8 @@ def _decode_q5_0(data: torch.Tensor) -> list:
     """Q5_0 blocks (fp16 d, 32 high bits, 16 bytes of low nibbles: w = d (q - 16),
     q in 0..31) are int8 groups of 32 exactly, q - 16 with scale d. llama.cpp
     writes them where a K-quant's 256-wide super-blocks do not fit a row (Gemma
-    3 1B's 1152 inputs in a Q4_K_M file). The kernel when built, else torch:
-    the 118 Q5_0 tensors of such a file took 21-24 s through gguf's dequantize
-    and a requantization, 6.4-6.5 s in torch."""
+    3 1B's 1152 inputs in a Q4_K_M file). The kernel when built, else torch,
+    which is faster than gguf's dequantize and a requantization."""
     from tandem.kernels import custom_ops
 
     if custom_ops.available():

@@ -105,7 +105,7 @@ def _write_tokenizer(src: Path, dest: Path) -> None:
     loads again by its own rules: a Gemma file with a byte-level BPE vocabulary
     came back splitting on U+2581 (every space an unknown token), with a
     ``<mask>`` token the model has no row for. The same sentencepiece files encode
-    alike either way, and the conversion took 0.4 s instead of 4-5."""
+    alike either way, and the conversion is faster."""
     from transformers import PreTrainedTokenizerFast
 
     try:

@@ -24,7 +24,7 @@ TENSORS_FILE = "gguf_tensors.json"  # beside config.json in gguf_to_hf_dir's dir
 class StoredTensor:
     """Where a tensor lies in its GGUF and how it is stored: what reading it takes,
     without gguf's reader (which parses every metadata array, the vocabulary's
-    too: 8.4 s for a Llama-3-sized one, so the conversion caches these)."""
+    too: slow for a large vocabulary, so the conversion caches these)."""
 
     name: str
     type: str  # GGMLQuantizationType's name
@@ -108,7 +108,7 @@ def _mapped(src: Path, t: StoredTensor) -> torch.Tensor:
     quantized tensor is never copied before it is packed. The mapping lives as
     long as a tensor viewing it; mapped pages count as resident only until
     then, one layer's tensors at a time. (Mapping every page up front,
-    MAP_POPULATE, measured no faster: 8B Q8_0 loads of 7.5-10.8 s either way.)"""
+    MAP_POPULATE, measured no faster.)"""
     start = t.data_offset - t.data_offset % mmap.ALLOCATIONGRANULARITY
     try:
         with open(src, "rb") as f:
