@@ -14,19 +14,12 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
+from tandem.diagnosis.findings import Finding, verdict
+from tandem.diagnosis.measurements import Measurements, MetricsSample, Probe
+from tandem.diagnosis.probe_rules import decode_ceiling, diagnose, prefill_rate
 from tandem.entrypoints.cli import main
-from tandem.tools.doctor.diagnose import (
-    Finding,
-    Measurements,
-    MetricsSample,
-    Probe,
-    decode_ceiling,
-    diagnose,
-    format_report,
-    prefill_rate,
-    verdict,
-)
 from tandem.tools.doctor.probe import normalize_url
+from tandem.tools.doctor.report import format_report
 from tests.plan.conftest import MODEL_SIZE
 from tests.serving import serve_app
 

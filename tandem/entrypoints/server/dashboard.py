@@ -39,7 +39,8 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.datastructures import State
 
-from tandem.diagnosis import LiveFigures, diagnose_live, verdict
+from tandem.diagnosis.findings import verdict
+from tandem.diagnosis.live_rules import LiveFigures, diagnose_live
 from tandem.engine.client import EngineStats, RequestState
 from tandem.entrypoints.server.auth import require_api_key
 from tandem.entrypoints.server.errors import APIError

@@ -18,9 +18,12 @@ from typing import Any
 
 import httpx
 
+from tandem.diagnosis.findings import verdict
+from tandem.diagnosis.measurements import Measurements
+from tandem.diagnosis.probe_rules import diagnose
 from tandem.tools.bench.target import default_api_key, parse_headers
-from tandem.tools.doctor.diagnose import Measurements, diagnose, format_report, verdict
 from tandem.tools.doctor.probe import DoctorError, ProbeConfig, collect
+from tandem.tools.doctor.report import format_report
 from tandem.tools.plan.arithmetic import WEIGHT_DTYPES, weight_bytes
 from tandem.tools.plan.cli import PlanInputError, _one_line_errors, parse_bytes
 from tandem.tools.plan.devices import DEVICES, get_device

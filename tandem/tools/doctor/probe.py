@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from tandem.diagnosis.measurements import Measurements, MetricsSample, Probe
 from tandem.tools.bench.client import (
     RequestFunc,
     RequestInput,
@@ -43,7 +44,6 @@ from tandem.tools.bench.runner import make_client
 from tandem.tools.bench.server_metrics import KV_USAGE, PREEMPTIONS, RUNNING, WAITING, Snapshot
 from tandem.tools.bench.target import still_loading
 from tandem.tools.bench.tokens import WORDS, PromptBuilder, ServerTokenizer
-from tandem.tools.doctor.diagnose import Measurements, MetricsSample, Probe
 
 # A server that refuses the first request as overloaded is asked again this many
 # times, this far apart, before the refusal is the finding.

@@ -1,4 +1,4 @@
-"""``tandem doctor``: what is slow on a running server, and which knob to turn first.
+"""The doctor's rules over probe measurements: what is slow, and which knob first.
 
 A serving checklist, as rules over numbers measured on the live server:
 
@@ -14,23 +14,31 @@ A serving checklist, as rules over numbers measured on the live server:
 * "fine for me, crawls at 5 users" is one request at a time (Ollama's
   ``OLLAMA_NUM_PARALLEL=1``) or a KV cache that is full and preempts.
 
-This module is the analysis only: ``diagnose(Measurements)`` is a pure
-function of numbers (collected by ``tandem.tools.doctor.probe``), so every
-rule is tested on synthetic measurements, and every finding carries the
-number that triggered it. The thresholds, each finding's wording and knobs, and
-the verdict are in ``tandem.diagnosis``, which the server's live dashboard
-applies to its own figures.
+``diagnose(Measurements)`` is a pure function of numbers (collected by
+``tandem.tools.doctor.probe``), so every rule is tested on synthetic
+measurements, and every finding carries the number that triggered it.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-import textwrap
-from dataclasses import asdict, dataclass, field
-from typing import Any
 
-from tandem.diagnosis import (
+from tandem.diagnosis.findings import (
+    Finding,
+    budget_wait_finding,
+    cache_finding,
+    gb,
+    ms,
+    prefill_finding,
+    queue_finding,
+    rejected_finding,
+    slow_decode_finding,
+    sort_findings,
+    stall_finding,
+)
+from tandem.diagnosis.knobs import fewer_bytes, knob
+from tandem.diagnosis.measurements import Measurements, Probe
+from tandem.diagnosis.thresholds import (
     CEILING_HIGH,
     CEILING_LOW,
     COLD_START_S,
@@ -41,152 +49,11 @@ from tandem.diagnosis import (
     READABLE_TOK_S,
     STALL_FACTOR,
     STALL_S,
-    TTFT_TARGET_S,
-    Finding,
-    budget_wait_finding,
-    cache_finding,
-    fewer_bytes,
-    knob,
-    ms,
-    prefill_finding,
-    queue_finding,
-    rejected_finding,
-    slow_decode_finding,
-    sort_findings,
-    stall_finding,
-    verdict,
 )
 
-KINDS = ("tandem", "vllm", "llama-server", "ollama", "openai")
-KIND_NAMES = {
-    "tandem": "tandem", "vllm": "vLLM", "llama-server": "llama-server", "ollama": "Ollama",
-    "openai": "an OpenAI-compatible server",
-}
 
-
-# --------------------------------------------------------------------- inputs
-@dataclass
-class Probe:
-    """One request, timed by the client and (where the server reports it) by the server.
-
-    Times are seconds from when the request was sent; ``sent_s`` places the
-    request on the probe's own clock (the overlapping pair shares one).
-    """
-
-    name: str
-    ok: bool = True
-    error: str = ""
-    prompt_tokens: int = 0  # as the server counted them when it says, else as sent
-    output_tokens: int = 0
-    sent_s: float = 0.0
-    ttft_s: float = math.nan
-    e2e_s: float = math.nan  # sent -> last token
-    itl_s: list[float] = field(default_factory=list)
-    # The server's own phase split (tandem's ``tandem`` object, Ollama's counters).
-    server_queue_s: float | None = None
-    server_prefill_s: float | None = None
-    server_decode_s: float | None = None
-    computed_prompt_tokens: int | None = None  # prompt tokens prefilled (not cached)
-    cached_tokens: int | None = None
-    preemptions: int | None = None
-    load_s: float | None = None  # Ollama's load_duration: loading the model for this request
-
-    @property
-    def token_times_s(self) -> list[float]:
-        """When each token arrived, on the probe's clock."""
-        if not self.ok or math.isnan(self.ttft_s):
-            return []
-        out = [self.sent_s + self.ttft_s]
-        for gap in self.itl_s:
-            out.append(out[-1] + gap)
-        return out
-
-    @property
-    def decode_tok_s(self) -> float:
-        """Tokens per second after the first; the server's own decode time when it gave one."""
-        gaps = self.output_tokens - 1
-        if gaps < 1:
-            return math.nan
-        if self.server_decode_s:
-            return gaps / self.server_decode_s
-        span = self.e2e_s - self.ttft_s
-        return gaps / span if span > 0 else math.nan
-
-    @property
-    def prefill_tok_s(self) -> float:
-        """The server's prefill rate (prompt tokens computed / prefill time), if it says."""
-        n = self.computed_prompt_tokens
-        if n is None or not self.server_prefill_s:
-            return math.nan
-        return n / self.server_prefill_s
-
-    @property
-    def itl_p50_s(self) -> float:
-        return statistics.median(self.itl_s) if self.itl_s else math.nan
-
-    @property
-    def itl_p99_s(self) -> float:
-        return _percentile(self.itl_s, 99) if self.itl_s else math.nan
-
-
-@dataclass
-class MetricsSample:
-    """The server's gauges and counters (vLLM's names) at one moment, or peaks over a span."""
-
-    waiting: float | None = None
-    running: float | None = None
-    kv_usage: float | None = None  # 0..1
-    preemptions: float | None = None  # cumulative counter
-
-
-@dataclass
-class Measurements:
-    """Everything the probes collected; the only input of ``diagnose``."""
-
-    url: str
-    kind: str
-    model: str
-    detected_from: list[str] = field(default_factory=list)
-    max_model_len: int | None = None
-    warmup: Probe | None = None
-    short: Probe | None = None
-    long: Probe | None = None
-    stream: Probe | None = None
-    pair_first: Probe | None = None  # a streaming request ...
-    pair_second: Probe | None = None  # ... and a long prompt sent while it streams
-    metrics_before: MetricsSample | None = None  # before any probe: other users' load
-    metrics_after: MetricsSample | None = None
-    metrics_peak: MetricsSample | None = None  # peaks over every probe
-    pair_metrics_peak: MetricsSample | None = None  # peaks while the pair ran
-    model_bytes: float | None = None  # bytes a decode step reads (about: the weights)
-    model_bytes_source: str = ""
-    quantization_level: str | None = None  # as the server names it (F32, Q4_K_M, ...)
-    bandwidth_bytes_s: float | None = None
-    bandwidth_source: str = ""
-    gpu_share: float | None = None  # Ollama /api/ps: size_vram / size (None: not reported)
-    slots: int | None = None  # llama-server's /props total_slots, tandem's max_num_seqs
-    ttft_target_s: float = TTFT_TARGET_S
-    notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-# ---------------------------------------------------------------------- rules
 def _ok(p: Probe | None) -> bool:
     return p is not None and p.ok and not math.isnan(p.ttft_s)
-
-
-def _size(n: float) -> str:
-    """Bytes as GB (1e9, as bandwidths are quoted), or MB below one GB."""
-    return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
-
-
-def _percentile(xs: list[float], q: float) -> float:
-    ys = sorted(xs)
-    k = (len(ys) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return ys[lo] + (ys[hi] - ys[lo]) * (k - lo)
 
 
 def prefill_rate(m: Measurements) -> tuple[float, str]:
@@ -467,7 +334,7 @@ def _rule_ceiling(m: Measurements) -> Finding | None:
     share = rate / ceiling
     ev = (
         f"{rate:.1f} tok/s measured vs {m.bandwidth_bytes_s / 1e9:,.0f} GB/s / "
-        f"{_size(m.model_bytes)} ({m.model_bytes_source}) = {ceiling:.1f} tok/s: "
+        f"{gb(m.model_bytes)} ({m.model_bytes_source}) = {ceiling:.1f} tok/s: "
         f"{share:.0%} of the ceiling"
     )
     values = {"decode_tok_s": rate, "ceiling_tok_s": ceiling, "share": share}
@@ -569,115 +436,3 @@ def diagnose(m: Measurements) -> list[Finding]:
         _rule_slow_decode(m), _rule_stall(m), _rule_offload(m), _rule_ceiling(m),
         _rule_context(m),
     ])
-
-
-# --------------------------------------------------------------------- report
-def _fmt(x: float | None, unit: str = "", digits: int = 0) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "n/a"
-    return f"{x:,.{digits}f}{unit}"
-
-
-def _probe_line(p: Probe) -> str:
-    if not p.ok:
-        return f"failed: {p.error}"
-    s = f"{p.prompt_tokens:,} prompt tokens: TTFT {ms(p.ttft_s)}"
-    split = []
-    if p.server_queue_s is not None:
-        split.append(f"queue {ms(p.server_queue_s)}")
-    if p.server_prefill_s is not None:
-        rate = p.prefill_tok_s
-        split.append(f"prefill {ms(p.server_prefill_s)}"
-                     + (f" = {rate:,.0f} tok/s" if not math.isnan(rate) else ""))
-    if p.cached_tokens:
-        split.append(f"{p.cached_tokens} cached")
-    if split:
-        s += " (server: " + ", ".join(split) + ")"
-    if p.output_tokens > 1:
-        s += f"; {p.output_tokens} tokens at {_fmt(p.decode_tok_s, ' tok/s', 1)}"
-    return s
-
-
-def _fill(text: str, width: int, first: str, rest: str) -> str:
-    """Wrap without splitting flags like --max-num-batched-tokens at their hyphens."""
-    return textwrap.fill(text, width, initial_indent=first, subsequent_indent=rest,
-                         break_on_hyphens=False)
-
-
-def format_report(m: Measurements, findings: list[Finding]) -> str:
-    width = 100
-    out = [f"tandem doctor: {m.url} is {KIND_NAMES.get(m.kind, m.kind)}, model {m.model}"
-           + (f", context {m.max_model_len:,}" if m.max_model_len else "")]
-    if m.detected_from:
-        out.append(_fill(f"(detected from {', '.join(m.detected_from)})", width, "  ", "   "))
-    out += ["", "Measurements"]
-
-    def line(label: str, text: str) -> None:
-        body = textwrap.wrap(text, width - 22, break_on_hyphens=False) or [""]
-        out.append(f"  {label:<20}{body[0]}")
-        out.extend(" " * 22 + b for b in body[1:])
-
-    if m.warmup is not None:
-        line("first request", _probe_line(m.warmup))
-    if m.short is not None:
-        line("short prompt", _probe_line(m.short))
-    if m.long is not None:
-        line("long prompt", _probe_line(m.long))
-    rate, how = prefill_rate(m)
-    if not math.isnan(rate):
-        line("prefill rate", f"{rate:,.0f} tok/s ({how})")
-    if m.stream is not None:
-        s = m.stream
-        line("decode, 1 stream", f"failed: {s.error}" if not s.ok else
-             f"{s.output_tokens} tokens at {_fmt(s.decode_tok_s, ' tok/s', 1)}; ITL p50 "
-             f"{ms(s.itl_p50_s)}, p99 {ms(s.itl_p99_s)}")
-    a, b = m.pair_first, m.pair_second
-    if a is not None and b is not None:
-        if not (a.ok and b.ok):
-            line("two at once", f"failed: {a.error or b.error}")
-        else:
-            ov = pair_overlap(m)
-            assert ov is not None
-            overlap, extra, _ = ov
-            line("two at once",
-                 f"a {b.prompt_tokens:,}-token prompt sent {b.sent_s:.2f} s into a stream got "
-                 f"its first token after {b.ttft_s:.2f} s ({extra:+.2f} s vs alone); the two "
-                 + (f"streamed together for {overlap:.2f} s" if overlap > 0 else
-                    "never streamed at the same time"))
-    if m.metrics_before is not None:
-        bf, af, pk = m.metrics_before, m.metrics_after or MetricsSample(), m.metrics_peak
-        pk = pk or MetricsSample()
-        pre = (
-            f", preemptions {_fmt((af.preemptions or 0) - (bf.preemptions or 0), '', 0)} "
-            "during the probes" if bf.preemptions is not None else ""
-        )
-        line("/metrics",
-             f"before: {_fmt(bf.running)} running, {_fmt(bf.waiting)} waiting, KV "
-             f"{_fmt(None if bf.kv_usage is None else bf.kv_usage * 100, '%', 1)}; during: peak "
-             f"{_fmt(pk.running)} running, {_fmt(pk.waiting)} waiting, KV "
-             f"{_fmt(None if pk.kv_usage is None else pk.kv_usage * 100, '%', 1)}{pre}")
-    ceiling = decode_ceiling(m)
-    if ceiling is not None:
-        line("decode ceiling",
-             f"{m.bandwidth_bytes_s / 1e9:,.0f} GB/s ({m.bandwidth_source}) / "
-             f"{_size(m.model_bytes)} ({m.model_bytes_source}) = {ceiling:,.1f} tok/s")
-    elif m.model_bytes:
-        line("decode ceiling",
-             f"model {_size(m.model_bytes)} ({m.model_bytes_source}); give --bandwidth "
-             "or --device to compare decode with bandwidth / bytes")
-    for n in m.notes:
-        line("note", n)
-
-    out += ["", "Findings"]
-    marks = {"problem": "!", "warning": "~", "ok": "+"}
-    if not findings:
-        out.append("  + nothing out of line: the probes found no queue, no cache pressure, "
-                   "and TTFT and decode within their targets")
-    for f in findings:
-        out.append(_fill(f"{marks[f.severity]} [{f.phase}] {f.title}", width, "  ", "      "))
-        out.append(_fill(f"because: {f.evidence}", width, "      ", "        "))
-        for i, k in enumerate(f.knobs):
-            label = "turn first:" if i == 0 else "then:"
-            out.append(_fill(f"{label} {k}", width, "      ", "        "))
-    out += ["", _fill("Verdict: " + verdict(findings), width, "", "")]
-    return "\n".join(out)
