@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from tandem.config import EngineConfig, resolve_kv_cache_dtype
 from tandem.config import resolve_dtype as resolve_engine_dtype
 from tandem.core.kv_cache_manager import KVCacheGroups, group_layers
+from tandem.diagnosis.thresholds import READABLE_TOK_S as READABLE_TOK_S  # capacity.py warns by it
 from tandem.tools.plan.devices import GiB
 from tandem.tools.plan.presets import ModelSpec
 
@@ -65,7 +66,6 @@ BLOCK_SIZE = EngineConfig.block_size
 DEFAULT_GPU_UTILIZATION = EngineConfig.gpu_memory_utilization
 DEFAULT_CPU_RESERVE = 2 * GiB
 COMPUTE_EFFICIENCY = 0.5  # fraction of peak FLOPs a real step reaches
-READABLE_TOK_S = 10.0  # below this, text types out slower than people like to read
 PREFILL_BUDGET = {"gpu": 2048, "cpu": 512}  # without a compute peak to size it by
 CHUNK_STALL_S = 0.25  # a prefill chunk may hold running streams back this long
 
