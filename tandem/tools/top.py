@@ -26,8 +26,8 @@ from rich.table import Table
 from rich.text import Text
 
 from tandem.tools.bench.target import default_api_key, parse_headers
+from tandem.tools.cli_errors import one_line_errors
 from tandem.tools.doctor.probe import DoctorError, normalize_url
-from tandem.tools.plan.cli import _one_line_errors
 
 DESCRIPTION = (
     "Watch a running tandem server: the panels of its /dashboard page (the doctor's verdict, "
@@ -72,7 +72,7 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("top", help="watch a running server's dashboard in the terminal",
                               description=DESCRIPTION)
     add_arguments(p)
-    _one_line_errors(p)
+    one_line_errors(p)
     p.set_defaults(func=run)
 
 

@@ -22,10 +22,11 @@ from tandem.diagnosis.findings import verdict
 from tandem.diagnosis.measurements import Measurements
 from tandem.diagnosis.probe_rules import diagnose
 from tandem.tools.bench.target import default_api_key, parse_headers
+from tandem.tools.cli_errors import one_line_errors
 from tandem.tools.doctor.probe import DoctorError, ProbeConfig, collect
 from tandem.tools.doctor.report import format_report
 from tandem.tools.plan.arithmetic import WEIGHT_DTYPES, weight_bytes
-from tandem.tools.plan.cli import PlanInputError, _one_line_errors, parse_bytes
+from tandem.tools.plan.cli import PlanInputError, parse_bytes
 from tandem.tools.plan.devices import DEVICES, get_device
 from tandem.tools.plan.presets import PRESETS, load_model
 
@@ -83,7 +84,7 @@ def register(subparsers: Any) -> None:
         "doctor", help="diagnose a running server: which phase is slow, which knob to turn",
         description=DESCRIPTION)
     add_arguments(p)
-    _one_line_errors(p)
+    one_line_errors(p)
     p.set_defaults(func=run)
 
 
@@ -178,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Standalone entry point (``python -m tandem.tools.doctor.cli``)."""
     parser = argparse.ArgumentParser(prog="tandem doctor", description=DESCRIPTION)
     add_arguments(parser)
-    _one_line_errors(parser)
+    one_line_errors(parser)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:

@@ -14,9 +14,10 @@ import math
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 from tandem.config import parse_bytes as engine_bytes
+from tandem.tools.cli_errors import one_line_errors
 from tandem.tools.plan.arithmetic import KV_DTYPES, WEIGHT_DTYPES
 from tandem.tools.plan.capacity import plan
 from tandem.tools.plan.devices import DEVICES, Device, get_device, measure_host
@@ -32,15 +33,6 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?i?b?)\s*(/
 
 class PlanInputError(ValueError):
     """Input the user can fix; printed as one line, exit code 2."""
-
-
-def _one_line_errors(parser: argparse.ArgumentParser) -> None:
-    """Make argparse's own errors (unknown flag, missing value) one line too."""
-
-    def error(message: str) -> NoReturn:
-        parser.exit(2, f"{parser.prog}: error: {message}\n")
-
-    parser.error = error  # type: ignore[method-assign]
 
 
 def parse_bytes(text: str, what: str, *, rate: bool = False) -> float:
@@ -140,7 +132,7 @@ def register(subparsers: Any) -> None:
         description=DESCRIPTION,
     )
     add_arguments(p)
-    _one_line_errors(p)
+    one_line_errors(p)
     p.set_defaults(func=run)
 
 
@@ -285,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Standalone entry point (``python -m tandem.tools.plan.cli``)."""
     parser = argparse.ArgumentParser(prog="tandem plan", description=DESCRIPTION)
     add_arguments(parser)
-    _one_line_errors(parser)
+    one_line_errors(parser)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or an unknown flag (2)
