@@ -41,14 +41,7 @@ from tandem.tools.plan.arithmetic import (
 )
 from tandem.tools.plan.devices import GB, Device, MiB
 from tandem.tools.plan.presets import ModelSpec
-
-
-def gb(x: float) -> str:
-    return f"{x / GB:,.2f} GB"
-
-
-def _n(count: int, noun: str) -> str:
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+from tandem.tools.plan.text import gb, plural
 
 
 @dataclass
@@ -396,7 +389,7 @@ def _formulas(p: Plan) -> None:
         )
     else:
         f["max_num_seqs"] = (
-            f"{_n(p.wanted_max_num_seqs, 'stream')}, capped at {p.conversations_fit} that fit "
+            f"{plural(p.wanted_max_num_seqs, 'stream')}, capped at {p.conversations_fit} that fit "
             f"-> {p.max_num_seqs}"
         )
     b = max(1, p.max_num_seqs)
@@ -499,8 +492,8 @@ def _flags(p: Plan) -> None:
         # llama.cpp's cache keeps a windowed layer's window per slot.
         "ollama_reserved_bytes": n * p.model.attended_keys(c) * p.kv_bytes_per_token,
         "max_queue_reason": (
-            f"{_n(p.max_queue, 'waiting request')} {'drains' if p.max_queue == 1 else 'drain'}"
-            f" through {_n(n, 'slot')} in about one reply's time"
+            f"{plural(p.max_queue, 'waiting request')} {'drains' if p.max_queue == 1 else 'drain'}"
+            f" through {plural(n, 'slot')} in about one reply's time"
             + (f" (~{p.gen_seconds:g} s)" if p.gen_seconds else "")
             + "; past that, an immediate 503 with Retry-After that the client can retry "
             "beats a spinner that never resolves. vLLM and llama-server have no queue "
@@ -638,7 +631,7 @@ def _explore(p: Plan) -> list[str]:
         q = plan(p.model, p.device, dtype=p.dtype, kv_cache_dtype="int8", **base)
         if q.conversations_fit > p.conversations_fit:
             out.append(
-                f"--kv-cache-dtype int8 fits {_n(q.conversations_fit, 'conversation')}"
+                f"--kv-cache-dtype int8 fits {plural(q.conversations_fit, 'conversation')}"
             )
     rank = {"fp32": 0, "bf16": 1, "fp16": 1, "int8": 2, "int4": 3}
     for dt in ("int8", "int4"):
@@ -648,7 +641,7 @@ def _explore(p: Plan) -> list[str]:
         if q.conversations_fit > p.conversations_fit:
             out.append(
                 f"--dtype {dt} (weights {gb(q.weight_bytes)}) fits "
-                f"{_n(q.conversations_fit, 'conversation')}"
+                f"{plural(q.conversations_fit, 'conversation')}"
             )
         elif q.weight_bytes + q.activation_bytes > q.memory_budget_bytes:
             out.append(f"(--dtype {dt} would still not fit: weights {gb(q.weight_bytes)})")

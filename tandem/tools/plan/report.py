@@ -5,8 +5,9 @@ from __future__ import annotations
 import shlex
 import textwrap
 
-from tandem.tools.plan.capacity import Plan, gb
+from tandem.tools.plan.capacity import Plan
 from tandem.tools.plan.devices import GB
+from tandem.tools.plan.text import gb
 
 WIDTH = 100
 LABEL = 20
