@@ -15,6 +15,7 @@ from tandem.config import _cgroup_memory, resolve_kv_cache_dtype
 from tandem.model.llama import ModelConfig
 from tandem.tools.plan import arithmetic as ar
 from tandem.tools.plan import capacity as cap
+from tandem.tools.plan import flags
 from tandem.tools.plan.cli import main, parse_bytes, register
 from tandem.tools.plan.devices import DEVICES, Device, GiB, host_memory, measure_read_bandwidth
 from tandem.tools.plan.presets import PRESETS, load_model, spec_from_hf_config
@@ -293,13 +294,13 @@ def test_scenario_cpu_vps_8gb() -> None:
     assert "--gpu-memory-utilization" not in " ".join(p.flags["tandem"])
     # On CPU tandem's pool is --kv-cache-memory bytes, committed at start-up: the flag
     # carries what the planned streams hold (and a quarter more), not every free byte.
-    pool = cap.cpu_kv_pool_bytes(p)
+    pool = flags.cpu_kv_pool_bytes(p)
     assert f"--kv-cache-memory {pool // 2**20}MiB" in p.flags["tandem"]
     need = p.max_num_seqs * p.kv_blocks_per_conversation * p.cache_bytes / p.cache_blocks
     assert need <= pool <= min(p.cache_bytes, 1.25 * need + 2**20)
     one = cap.plan(load_model("qwen2.5-1.5b"), Device("big", "24 GB box", "cpu", int(24e9),
                                                       20e9), dtype="int8", streams=1)
-    assert cap.cpu_kv_pool_bytes(one) < one.cache_bytes / 10  # not 20 GB for one stream
+    assert flags.cpu_kv_pool_bytes(one) < one.cache_bytes / 10  # not 20 GB for one stream
     assert any("slower than people read" in w for w in p.warnings)
     big = cap.plan(load_model("llama-3.1-8b"), vps, users=10)
     assert not big.fits and big.max_num_seqs == 0 and big.flags == {}

@@ -13,11 +13,9 @@ from typing import Any
 
 from tandem.tools.plan.arithmetic import (
     BLOCK_SIZE,
-    CHUNK_STALL_S,
     COMPUTE_EFFICIENCY,
     DEFAULT_CPU_RESERVE,
     DEFAULT_GPU_UTILIZATION,
-    ENGINE_DTYPES,
     KV8_DTYPES,
     READABLE_TOK_S,
     activation_bytes,
@@ -37,7 +35,8 @@ from tandem.tools.plan.arithmetic import (
     resolve_kv_dtype,
     weight_bytes,
 )
-from tandem.tools.plan.devices import Device, MiB
+from tandem.tools.plan.devices import Device
+from tandem.tools.plan.flags import add_flags
 from tandem.tools.plan.formulas import add_formulas
 from tandem.tools.plan.presets import ModelSpec
 from tandem.tools.plan.text import gb, plural
@@ -287,112 +286,9 @@ def plan(
         per_stream_decode_tok_s=1 / step,
     )
     add_formulas(p)
-    _flags(p)
+    add_flags(p)
     _warnings(p, explore=explore)
     return p
-
-
-# The CPU pool beyond what the planned streams hold at full context: room for
-# the prefix cache to keep finished conversations' blocks.
-CPU_POOL_HEADROOM = 1.25
-
-
-def cpu_kv_pool_bytes(p: Plan) -> int:
-    """--kv-cache-memory on a CPU: the blocks the planned streams hold at full context,
-    a quarter more, at most what is free. The engine commits its pool at start-up,
-    so every free byte (22 GB for one stream of a 135M model) would be held for
-    nothing; a bigger load is a new plan."""
-    block_bytes = p.cache_bytes / max(p.cache_blocks, 1)
-    need = p.max_num_seqs * p.kv_blocks_per_conversation * block_bytes * CPU_POOL_HEADROOM
-    return int(min(p.cache_bytes, math.ceil(need / MiB) * MiB))
-
-
-def _flags(p: Plan) -> None:
-    if p.max_num_seqs < 1:
-        return  # nothing fits: the warnings say what to cut, no flags would work
-    n, c = p.max_num_seqs, p.context
-    kv8 = p.kv_cache_dtype in KV8_DTYPES
-    quant = p.dtype in ("int8", "int4")
-    # On a CPU tandem measures its token budget from the model's step cost at start-up
-    # (engine/token_budget.py): a flag would replace that with this estimate.
-    budget = ([f"--max-num-batched-tokens {p.max_num_batched_tokens}"]
-              if p.device.kind == "gpu" else [])
-    tandem = [f"--max-num-seqs {n}", *budget, f"--max-model-len {c}",
-              f"--max-queue {p.max_queue}"]
-    if p.device.kind == "gpu":
-        tandem.append(f"--gpu-memory-utilization {p.gpu_memory_utilization:g}")
-    else:  # on CPU tandem's pool is exactly this many bytes (default 2 GiB), not "what is free"
-        tandem.append(f"--kv-cache-memory {cpu_kv_pool_bytes(p) // MiB}MiB")
-    if kv8:  # tandem's only 8-bit cache is int8, whichever 8-bit format was planned
-        tandem.append("--kv-cache-dtype int8")
-    if quant:
-        tandem.append(f"--quantization {p.dtype}")
-    # Float weights and cache as planned, where tandem's defaults would hold others.
-    if p.dtype in ENGINE_DTYPES:
-        if p.model.default_dtype == "file":  # a GGUF's blocks held as floats
-            tandem.append("--quantization none")
-        if p.dtype != engine_compute_dtype(p.device.kind):
-            tandem.append(f"--dtype {ENGINE_DTYPES[p.dtype]}")
-    auto_kv = resolve_kv_dtype("auto", p.dtype, p.device.kind)
-    hd = p.model.head_dim
-    if not kv8 and kv_element_bytes(p.kv_cache_dtype, hd) != kv_element_bytes(auto_kv, hd):
-        tandem.append(f"--kv-cache-dtype {p.kv_cache_dtype}")
-    vllm = [
-        f"--max-num-seqs {n}", f"--max-model-len {c}",
-        f"--max-num-batched-tokens {p.max_num_batched_tokens}",
-    ]
-    if p.device.kind == "gpu":
-        vllm.append(f"--gpu-memory-utilization {p.gpu_memory_utilization:g}")
-    if kv8:
-        vllm.append("--kv-cache-dtype fp8")
-    if p.dtype == "int8":
-        vllm.append("--quantization fp8")
-    elif p.dtype == "int4":
-        p.notes.append("vLLM has no int4 flag for a 16-bit checkpoint: serve an AWQ or GPTQ "
-                       "4-bit one")
-    llama = [f"-np {n}", f"-c {n * c}"]
-    if p.device.kind == "gpu":
-        llama.append("-ngl 999")
-    if kv8:
-        llama += ["--cache-type-k q8_0", "--cache-type-v q8_0"]
-    ollama = {
-        "OLLAMA_NUM_PARALLEL": str(n),
-        "OLLAMA_CONTEXT_LENGTH": str(c),
-        "OLLAMA_MAX_QUEUE": str(p.max_queue),
-        "OLLAMA_KEEP_ALIVE": "-1",
-    }
-    if kv8:
-        ollama.update({"OLLAMA_KV_CACHE_TYPE": "q8_0", "OLLAMA_FLASH_ATTENTION": "1"})
-    p.flags = {
-        "tandem": tandem,
-        "vllm": vllm,
-        "llama_server": llama,
-        "ollama": ollama,
-        "ollama_reserved_tokens": n * c,
-        # llama.cpp's cache keeps a windowed layer's window per slot.
-        "ollama_reserved_bytes": n * p.model.attended_keys(c) * p.kv_bytes_per_token,
-        "max_queue_reason": (
-            f"{plural(p.max_queue, 'waiting request')} {'drains' if p.max_queue == 1 else 'drain'}"
-            f" through {plural(n, 'slot')} in about one reply's time"
-            + (f" (~{p.gen_seconds:g} s)" if p.gen_seconds else "")
-            + "; past that, an immediate 503 with Retry-After that the client can retry "
-            "beats a spinner that never resolves. vLLM and llama-server have no queue "
-            "bound: put one in the proxy in front of them."
-        ),
-        "max_num_batched_tokens_reason": (
-            "the per-step token budget: a prompt is prefilled in chunks of this size mixed "
-            "with running decodes; smaller protects inter-token latency, larger cuts "
-            "time to first token"
-            + (
-                f"; sized so a full chunk costs ~{p.chunk_stall_s * 1e3:,.0f} ms of compute "
-                f"that running streams wait through (at most max({CHUNK_STALL_S:g} s, "
-                "2 decode steps))"
-                if p.chunk_stall_s is not None else ""
-            )
-            + ("; tandem on a CPU measures its own at start-up (no flag: the log's "
-               "\"token budget\" line)" if p.device.kind == "cpu" else "")
-        ),
-    }
 
 
 def _warnings(p: Plan, *, explore: bool) -> None:
