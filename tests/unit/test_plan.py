@@ -13,9 +13,9 @@ import pytest
 
 from tandem.config import _cgroup_memory, resolve_kv_cache_dtype
 from tandem.model.llama import ModelConfig
+from tandem.tools.plan import advice, flags
 from tandem.tools.plan import arithmetic as ar
 from tandem.tools.plan import capacity as cap
-from tandem.tools.plan import flags
 from tandem.tools.plan.cli import main, parse_bytes, register
 from tandem.tools.plan.devices import DEVICES, Device, GiB, host_memory, measure_read_bandwidth
 from tandem.tools.plan.presets import PRESETS, load_model, spec_from_hf_config
@@ -366,7 +366,7 @@ def test_longest_context_of_a_hybrid_pool() -> None:
                  context=131072, streams=8)
     assert p.conversations_fit < 8
     text = " ".join(p.warnings)
-    fit = cap._longest_context(p, 8)
+    fit = advice._longest_context(p, 8)
     assert f"--context {fit:,} fits 8 slots" in text
     blocks_for = ar.kv_groups(p.model, p.context).blocks_for
     assert 8 * blocks_for(fit, 16, p.max_num_batched_tokens) <= p.cache_blocks
