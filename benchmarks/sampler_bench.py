@@ -19,7 +19,8 @@ import time
 import torch
 
 from tandem.sampling_params import SamplingParams
-from tandem.worker.sampler import Sampler, SamplingMetadata
+from tandem.worker.sampler import Sampler
+from tandem.worker.sampling_metadata import SamplingMetadata
 
 CASES = {
     "greedy": dict(temperature=0.0),

@@ -21,7 +21,8 @@ from tandem.model.kv_cache import KVCache, kv_cache_class, kv_zeros
 from tandem.model.llama import LlamaModel
 from tandem.worker.block_table import BlockTable
 from tandem.worker.decode_step import DecodeStep
-from tandem.worker.sampler import Sampler, SamplingMetadata
+from tandem.worker.sampler import Sampler
+from tandem.worker.sampling_metadata import SamplingMetadata
 from tandem.worker.structured_output import StructuredOutputManager
 
 

@@ -138,7 +138,8 @@ def test_gpu_kv_pool_is_sized_from_free_memory(tmp_path):
 def test_grammar_bitmask_and_sampler_on_gpu():
     """A grammar's packed bitmask applied to CUDA logits (the torch unpack path)
     bans what the CPU path bans, and the sampler on GPU draws only allowed tokens."""
-    from tandem.worker.sampler import Sampler, SamplingMetadata
+    from tandem.worker.sampler import Sampler
+    from tandem.worker.sampling_metadata import SamplingMetadata
     from tandem.worker.structured_output import apply_token_bitmask_
 
     g = torch.Generator().manual_seed(0)

@@ -13,7 +13,8 @@ import torch
 
 from tandem.sampling_params import SamplingParams
 from tandem.worker import sampler as sampler_mod
-from tandem.worker.sampler import BLOCK, Sampler, SamplingMetadata, blocked_argmax
+from tandem.worker.sampler import BLOCK, Sampler, blocked_argmax
+from tandem.worker.sampling_metadata import SamplingMetadata
 
 EOS = 2
 

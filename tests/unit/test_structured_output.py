@@ -19,7 +19,8 @@ from tandem.model.loader import resolve_model  # noqa: E402
 from tandem.sampling_params import SamplingParams  # noqa: E402
 from tandem.sampling_params import StructuredOutputsParams as SO  # noqa: E402
 from tandem.tokenizer import Tokenizer  # noqa: E402
-from tandem.worker.sampler import Sampler, SamplingMetadata  # noqa: E402
+from tandem.worker.sampler import Sampler  # noqa: E402
+from tandem.worker.sampling_metadata import SamplingMetadata  # noqa: E402
 from tandem.worker.structured_output import (  # noqa: E402
     GrammarFailedError,
     StructuredOutputManager,
