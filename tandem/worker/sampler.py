@@ -1,29 +1,12 @@
 """Batched sampling on tensors: penalties, temperature, top-k/top-p/min-p, logprobs.
 
-Why it looks the way it does (measured on our 2-core CPU, batch 16, 49k vocab):
-`torch.multinomial` costs ~28-50 ms, a full-vocabulary sort ~36 ms, drawing
-Exp(1) noise ~21 ns per element (16 ms for the full [16, 49k] tensor) and even
-`argmax` ~0.8 ms, while `amax` and `exp` stream through the same tensor in
-~0.05-0.15 ms. So:
-
-* Greedy rows use a blocked argmax (per-block `amax`, then an argmax inside the
-  winning block): ~10x cheaper than `argmax`, same first-index tie rule.
-* Random rows use the exponential race (argmax of p_i / E_i, E_i ~ Exp(1)),
-  done hierarchically: race over block masses, then within the winning block.
-  P(token) = P(block) * P(token | block), so it is exact, yet it needs only
-  ~450 noise draws per row instead of one per vocabulary entry.
-* Top-k and top-p become a per-row logit threshold: one `torch.topk` prefilter
-  (k = the batch's largest top_k, or `TOP_P_PREFILTER` for top-p-only rows)
-  gives the cutoff value; the dense logits are masked against it. A top-p row
-  whose prefilter mass falls short of top_p is redone with a wider topk
-  (`TOP_P_WIDER`), then if need be a full sort, so the result is exact and
-  never depends on the prefilter size.
-* Seeded rows draw their noise from their own generator with a shape that
-  depends only on the vocabulary size, indexed by token position (not by
-  rank), so the same seed gives the same draws whatever else is in the batch
-  and whichever path (prefilter or fallback) the row takes: the same tokens
-  where the logits are the same (fp32 weights and KV cache; quantized
-  weights and a 16-bit cache let batch composition move them by rounding).
+On CPU a full-vocabulary sort, `torch.multinomial` and even `argmax` cost far
+more than the streaming passes (`amax`, `exp`), so the sampler avoids them and
+stays exact: a blocked argmax for greedy rows, a hierarchical exponential race
+(block, then token in it) for random rows, and top-k/top-p as a per-row logit
+threshold from one `topk` prefilter, widened when a nucleus needs more. Seeded
+rows draw noise shaped by the vocabulary alone, so a seed's draws do not depend
+on the rest of the batch or on which path its row takes.
 
 Order (vLLM's): min_tokens and grammar masking, repetition/frequency/presence penalties,
 then argmax for greedy rows, or temperature -> top-k -> top-p -> min-p -> race.
@@ -48,8 +31,8 @@ BLOCK = 256
 # Candidates kept for rows with top_p < 1 and no top_k. Larger costs more topk
 # time on every such row; smaller sends more rows to the exact full-sort fallback.
 TOP_P_PREFILTER = 256
-# Second try for rows whose nucleus is wider than that: one topk row of 4,096
-# costs ~0.9 ms against ~3 ms for sorting the row (SmolLM2 at T=1, top-p 0.9:
+# Second try for rows whose nucleus is wider than that: a topk of 4,096 costs
+# less than sorting the row and covers most of them (SmolLM2 at T=1, top-p 0.9:
 # 12% of rows need > 256 tokens, 1.3% > 1,024; at top-p 0.95, 26% and 7.5%).
 TOP_P_WIDER = 4096
 # Exp(1) draws can be exactly 0 on CPU; p / 0 would be inf (or nan for a masked
@@ -151,10 +134,9 @@ def exp_weights(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Ten
     """(exp((logits - row_max) / T) per random row, row_max [R, 1]): the race's
     unnormalised probabilities, exactly 0 for masked (-inf) logits.
 
-    The exponent is floored at EXP_FLOOR: on this CPU torch's exp of an input in
-    [-104, -87.3] (a denormal result) cost 35x a normal one, below that 12x, and
-    of -inf 3x; a temperature of 0.2 puts most of a vocabulary there (batch 64:
-    19.6 -> 2.1 ms a step in benchmarks/sampler_bench.py). So a token more than
+    The exponent is floored at EXP_FLOOR: on CPU exp of an input whose result
+    is denormal (or of -inf) is many times slower than of a normal one, and a
+    low temperature puts most of a vocabulary there. So a token more than
     87 nats below the best keeps e^-87 (~1e-38) instead of less. On CPU one
     kernel does it in two passes per row (tandem/kernels/csrc/sampling.h), where
     torch takes five plus two to zero the masked entries again.
@@ -171,9 +153,9 @@ def exp_weights(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Ten
 def blocked_argmax(x: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax (first index on ties), via per-block amax.
 
-    `torch.argmax` over [16, 49k] measured ~0.8 ms against ~0.05 ms for `amax`;
-    reducing to block maxima first and arg-maxing inside one block per row is
-    ~10x faster and returns the same index.
+    `torch.argmax` is far slower on CPU than `amax`; reducing to block maxima
+    first and arg-maxing inside one block per row is cheaper and returns the
+    same index.
     """
     x = x.contiguous()
     rows, v = x.shape

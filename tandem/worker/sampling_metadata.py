@@ -218,7 +218,7 @@ class SamplingMetadata:
 
         def keys(rows_: list[int], seqs: Sequence[Sequence[int]]) -> torch.Tensor:
             lens = [len(seqs[i]) for i in rows_]
-            # np.fromiter flattens id lists ~4x faster than torch.tensor(list).
+            # np.fromiter flattens id lists faster than torch.tensor(list).
             flat = np.fromiter(chain.from_iterable(seqs[i] for i in rows_), np.int64, sum(lens))
             ids = torch.from_numpy(flat)
             row = torch.repeat_interleave(torch.tensor(rows_), torch.tensor(lens))
