@@ -19,13 +19,8 @@ struct BlockArgs {
 // fetch row r of the next one (spread out, so the fill buffers never choke)
 // into L2 (T1). Into L1 (T0), each prefetch held one of the core's few L1
 // miss buffers until DRAM answered, and decode attention read its cache
-// about as slowly as if nothing overlapped the arithmetic. Decode attention
-// alone from DRAM (2-vCPU Zen 4, alternated runs), 32 query / 8 KV heads of
-// 64, bf16, 24 layers: 1 x 4000 tokens 15.8-17.3 -> 9.6-10.6 ms, 16 x 512
-// 32.1-36.8 -> 18.2-22.3; the default model's shape (9 / 3 heads, 30 layers),
-// fp16, 16 x 2048: 67.5-71.7 -> 37.0-48.9, bf16 16 x 256 9.1-10.3 -> 5.2-6.3.
-// From cache, unchanged (that shape, fp16, 16 x 512 tokens, one layer: 0.25-0.36
-// vs 0.21-0.28 ms).
+// about as slowly as if nothing overlapped the arithmetic. Into L2, it speeds
+// up attention over a cache read from DRAM and leaves one in cache unchanged.
 template <typename KV>
 inline void prefetch_row(const KV* row, const BlockArgs& a) {
   if (!a.next_offset) return;
@@ -219,14 +214,10 @@ BlockKernels<KV> pick_kernels(int64_t group, int64_t D) {
 
 // Keys per online-softmax step of decode attention: each head's step (a
 // max, exps, sums, the rescale of its accumulator) has a fixed cost that a
-// 16-key block amortized poorly, a third of decode attention (perf, 16 x 256
-// tokens). In 64-key steps, decode attention alone (32 query / 8 KV heads of
-// 64, bf16 cache, 24 layers; 2-vCPU Zen 4, alternated runs): from cache,
-// 16 x 256 tokens 0.45-0.63 -> 0.38-0.40 ms a layer; from DRAM, 1 x 4000
-// tokens 15.0-19.1 -> 14.3-18.1 ms, 1 x 12000 42.4-46.1 -> 39.5-46.0,
-// 16 x 512 28.3-33.5 -> 29.9-31.5 (the default model's 3-head groups, 16 x
-// 2048: unchanged). A transposing tree for the QK sums (16 keys' scores a
-// vector) was no faster from DRAM and was dropped.
+// 16-key block amortized poorly, a large share of decode attention. 64-key
+// steps are faster from cache and no slower from DRAM. A transposing tree for
+// the QK sums (16 keys' scores a vector) was no faster from DRAM and was
+// dropped.
 constexpr int64_t kSoftmaxChunk = 64;
 
 // One step of a head's online softmax: its scores s [n] become exp(s - m')
@@ -237,11 +228,7 @@ inline float softmax_block(float* s, int64_t n, float& m, float& l) {
 #ifdef __AVX512F__
   // A step is a few vectors (kSoftmaxChunk keys). The scalar loops compared and
   // branched per score and summed a block's 16 lanes serially: per head they
-  // took as long as the QK dot products (perf, 2048-token context). Decode
-  // attention alone, alternated in one process on a 2-vCPU Zen 4 (32 query /
-  // 8 KV heads of 64, fp16 cache): 1 x 2048 tokens 13.4-14.8 -> 14.0-17.1 GB/s,
-  // 16 x 256 13.4-14.2 -> 12.4-16.4, 1 x 6000 (24 layers, from DRAM) 7.9-8.3
-  // -> 8.4-9.1.
+  // took as long as the QK dot products (perf, 2048-token context).
   const __m512 lowest = _mm512_set1_ps(-INFINITY);
   auto lanes = [&](int64_t o) {
     return static_cast<__mmask16>(n - o >= 16 ? 0xFFFF : (1u << (n - o)) - 1);
@@ -376,8 +363,8 @@ void merge_partials(const float* m, const float* l, const float* acc, int64_t sp
 // few sequences' long contexts are split into ranges of whole blocks
 // (flash-decoding). Only short contexts of a sequence or two are split by KV
 // head instead, each item then striding through every slot for its head's
-// part (a head-by-head sweep of such a cache read ~15 GB/s where a sequential
-// read got ~35, a 2-vCPU Zen 4).
+// part (a head-by-head sweep of such a cache reads it well below a sequential
+// read's speed).
 struct DecodeAttention {
   const float* q;  // [B, H, D] with strides qs0, qs1
   int64_t qs0, qs1;
@@ -415,10 +402,8 @@ struct DecodeAttention {
     }
     // Ranges of a context the split may make (at least min_split_tokens each).
     const int64_t most = std::max<int64_t>(1, max_ctx / min_split_tokens);
-    // Per KV head only when whole-head items would leave a thread under two.
-    // One 6000-token context, 32 query / 8 KV heads of 64 in fp16, 24 layers'
-    // caches from DRAM, alternated in one process: 6.7-8.8 -> 10.2-11.8 GB/s
-    // (per KV head -> ranges of every head); 3 x 2000: 8.1-8.7 -> 10.2-11.5.
+    // Per KV head only when whole-head items would leave a thread under two:
+    // a few long contexts read from DRAM go faster in ranges of every head.
     heads_per_item = B * most >= 2 * threads ? hkv : 1;
     kv_items = hkv / heads_per_item;
     splits = 1;

@@ -5,7 +5,7 @@
 // tandem/model/gguf.py (_decode_q4_k, _decode_q5_0, and gguf's dequantize then
 // quantize_int8_groups for the others): same float operations in the same
 // order, so the same bits. Q4_K_M and Q5_K_M files are mostly
-// these formats; numpy took ~10 ms per MB of Q4_K and held an fp32 copy of
+// these formats; numpy decoded them slowly and held an fp32 copy of
 // each requantized tensor (2.1 GB for an 8B model's LM head).
 #pragma once
 

@@ -1,7 +1,7 @@
 // tandem's CPU kernels: the per-layer glue of a decode step fused, and the
 // quantized matmuls torch has no fast CPU kernel for at decode sizes.
 //
-// A decode step at batch 1 spent ~6 ms of its ~25 in ~25 small aten ops per
+// A decode step at batch 1 spent much of its time in ~25 small aten ops per
 // layer (norms, RoPE, the KV write, the KV gather, SDPA). These kernels do the
 // same math in one pass each, and the decode attention reads K/V straight from
 // the paged cache through the block table instead of gathering a padded copy
@@ -27,7 +27,7 @@
 // head with round-half-even exactly as Int8KVCache.write does.
 //
 // Built by tandem/kernels/custom_ops.py with the host's g++ against torch's headers,
-// as one translation unit (one ~35 s compile on 2 cores); registered here as
+// as one translation unit (one compile, once per machine); registered here as
 // torch.ops.tandem.*. The kernels live in the headers beside this file.
 
 #include <torch/library.h>

@@ -5,11 +5,11 @@
 // Decode at small batch is bound by reading the weights (~538 MB per token for
 // the default model in fp32), but a step driven from Python, one aten op after
 // another, also leaves memory idle: ~10 op dispatches per layer, a thread-team
-// wake-up per op, and MKL's ramp-up at the start of each small matmul (at
-// batch 1 about 3.5 ms of a 22 ms step). Here one OpenMP team runs the whole
+// wake-up per op, and MKL's ramp-up at the start of each small matmul (a
+// sizeable share of a batch-1 step). Here one OpenMP team runs the whole
 // step: each matmul's outputs are split across the threads (for fp32,
 // tandem::matvec, which streams W at the machine's read bandwidth), the glue
-// in between is a few microseconds, and the threads meet at a barrier only
+// in between is short, and the threads meet at a barrier only
 // where the next stage needs every thread's outputs.
 //
 // The math is the torch reference path's (tandem/model/llama.py): the same
@@ -217,7 +217,7 @@ struct DecodeStep : torch::CustomClassHolder {
   // Writes the new K/V to the caches; returns the logits [B, vocab] and each
   // row's argmax [B] (int64, the first index on ties): greedy sampling with
   // no torch op after the step, whose first ops run on caches the weights
-  // have just swept (~0.3 ms for the sampler's few ops at batch 1).
+  // have just swept.
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& tokens,
                                              const at::Tensor& block_tables) {
     TORCH_CHECK(!layers.empty() && vocab > 0, "DecodeStep: add the layers and the LM head "

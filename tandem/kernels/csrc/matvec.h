@@ -5,9 +5,8 @@
 // Decode is bound by reading W, so W is read exactly once: 4 of its rows at a
 // time, each 16-float chunk loaded once and multiplied with up to 4 rows of x
 // held in registers (more rows of x reuse the 4 W rows from L1). While a tile
-// streams, the next tile's lines are prefetched, one per 64 floats: with the
-// hardware prefetcher alone the model's matmuls read ~31 GB/s here, with this
-// ~32 GB/s (MKL called once per matmul: ~29).
+// streams, the next tile's lines are prefetched, one per 64 floats: a little
+// faster than the hardware prefetcher alone (and than MKL called per matmul).
 //
 // Each output is summed in the same order (16-wide chunks over k, then one
 // horizontal add) whatever the number of rows, so a sequence's result does

@@ -4,15 +4,10 @@
 // reading K/V through the block table.
 //
 // It replaces a gather of each context into a padded fp32 copy and torch's
-// SDPA with an additive mask, which ran at 60-105 GFLOP/s here (2-vCPU Zen 4;
-// fp32 FMA peak ~220) and took 45% of a 4000-token prompt's prefill on a 1.66B
-// Q4_0 model. 32 query / 8 KV heads of 64, fp16 cache, one 80-token chunk
-// (benchmarks/prefill_attention.py): 2.0x at a 2000-token context, 1.6x at
-// 4000; the whole 4000-token prefill 41.1-41.7 -> 33.2-34.1 s (its attention
-// 18.4-19.4 -> 12.2-12.5 s). On a bf16 cache with AVX512_BF16 the products are
-// bf16 pairs (tile_block_bf16): 1.4-1.6x the fp16 cache's kernel at those
-// shapes (160-227 GFLOP/s, past the fp32 FMA peak), the 4000-token prefill
-// 32.4-34.0 -> 27.7-29.8 s.
+// SDPA with an additive mask, which ran well below the fp32 FMA peak and took
+// much of a long prompt's prefill (benchmarks/prefill_attention.py compares
+// them). On a bf16 cache with AVX512_BF16 the products are bf16 pairs
+// (tile_block_bf16), faster than the fp16 cache's kernel.
 #pragma once
 
 #include "attention.h"
@@ -181,8 +176,7 @@ inline __m512bh pair_everywhere(uint32_t pair) {
 // A block's values as tile_block_bf16 reads them, from its rows v (slot_stride
 // apart): vp [(bs + 1) / 2][D] pairs of two keys' values for one dim (the
 // second 0 past the block's n keys). Its keys are read where they lie: a cache
-// row is pairs of a key's dims already (staging them in a copy cost 8% of the
-// kernel's time).
+// row is pairs of a key's dims already (staging them in a copy was slower).
 inline void stage_bf16_values(const at::BFloat16* v, int64_t n, int64_t slot_stride, int64_t D,
                               uint32_t* vp) {
   // qwords 0-7 (4 values each) as 0 4 1 5 2 6 3 7: an unpack of two rows

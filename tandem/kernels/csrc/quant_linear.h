@@ -20,9 +20,8 @@
 // holds both starts, broadcast from memory), so the
 // float epilogue per group, row and tile is a convert and a multiply-add, plus
 // a multiply with group scales and a second multiply-add with lo. That
-// epilogue is what keeps a batch below VPDPBUSD's peak: dropping the lo term
-// took int4 at M = 16-128 from 583-619 to 646-693 GOPS (2-vCPU Zen 4), above
-// Q8_0's 614-652.
+// epilogue is what keeps a batch below VPDPBUSD's peak (dropping the lo term
+// takes int4 past Q8_0).
 // Weights are packed so no horizontal sums are needed (fbgemm's trick): tile t
 // holds output columns 16 t .. 16 t + 15, and each 64-byte chunk of a tile
 // holds 4 consecutive inputs of its 16 columns (byte 4 j + r: column j), so one
@@ -34,17 +33,12 @@
 //         bytes tiled the way int8's are), then the group's 16 fp16 scales and 16
 //         fp16 lo (Q4_0's blocks: 288 bytes, no lo). One stream per tile: with
 //         scales and lo in two arrays beside it a single row's matvec kept 12
-//         streams in flight per thread and read a DRAM-sized [32768, 4096] int4
-//         weight at 36-39 GB/s (int8: 43-46); with them inside, 43-47 (int8
-//         48-54 in that run), and a 1.66B Q4_0 decode step went from 31-32 to
-//         22.5-30 ms (8B: 89-93 -> 89 ms, DRAM-bound).
+//         streams in flight per thread and read a DRAM-sized weight slower.
 // int8's group scales (Q8_0) are fp16 [tiles, G, 16], each tile's together.
 // Batch 1 streams the weights at memory speed (int4 reads half of int8's
 // bytes); batches keep a tile pair in L2 while 4 rows of x at a time pass it.
-// On a 2-vCPU Zen 4 (VPDPBUSD peak ~930 GOPS for both threads) a [16384, 2048]
-// int8 weight runs at ~700 GOPS at M = 128 (torch._int_mm, without group
-// scales: ~680), int4 at ~600 (Q4_0 ~680): the per-group float epilogue
-// shares the pipes.
+// Batched, both run below VPDPBUSD's peak (int8 about as fast as torch._int_mm
+// without group scales): the per-group float epilogue shares the pipes.
 // Without VNNI a portable loop computes the same integers.
 #pragma once
 
@@ -119,17 +113,15 @@ constexpr int64_t tile_bytes(int64_t kp) {
 // stored (the others repeat tile t0 + nt - 1). MR and NT are template
 // parameters so the accumulators live in registers and the loops unroll: with a
 // runtime row count g++ kept flags on the stack and branched per row inside the
-// innermost loop (batched matmuls at ~45% of VNNI's peak).
+// innermost loop (batched matmuls far below VNNI's peak).
 //
 // pf, when set, is a share of the next tiles' bytes to bring into cache while
 // this block multiplies: pf_group bytes of it per group (see quant_tiles).
 //
 // A block of one row and one tile (a single stream's decode) sums each group
 // in two accumulators, alternate chunks (int4: low and high nibbles), halving
-// its VPDPBUSD chain: from L3 (the kernel alone, 2-vCPU Zen 4) int4 [2048,
-// 2048] 79.8 -> 83.3 GB/s, [8192, 2048] 112.4 -> 113.9 (int8: the same).
-// Four tiles at a time read those at 93.2 and 126.5 (see quant_tiles for why
-// one row takes one tile anyway).
+// its VPDPBUSD chain: a little faster from L3. Four tiles at a time are faster
+// still from L3 (see quant_tiles for why one row takes one tile anyway).
 template <TileFormat F, int MR, int NT>
 inline void quant_block(const int8_t* q, const float* xs, const int32_t* start, const float* xq,
                         int64_t kp, int64_t m0, const TileWeight& w, int64_t t0, int64_t nt,
@@ -161,10 +153,7 @@ inline void quant_block(const int8_t* q, const float* xs, const int32_t* start, 
     __m512i acc[MR][NT], acc2 = _mm512_setzero_si512();  // acc2: kSplit's second chain
     for (int i = 0; i < MR; i++) {
       // Broadcast from memory: computed here (a multiply, then a broadcast from
-      // a general register, per row and group) it cost ~5% (in one process,
-      // alternated, 2-vCPU Zen 5, medians of 5-9: Q8_0 [2048, 2048] M = 16 / 128
-      // 901 / 1083 -> 964 / 1149 GOPS, Q4_0 1072 / 1150 -> 1029 / 1198; a
-      // DRAM-sized [8192, 2048] x 12 at M = 16: Q8_0 929 -> 977, Q4_0 1124 -> 1237).
+      // a general register, per row and group) it was slower.
       const __m512i init = weight_offset<F>() ? _mm512_set1_epi32(start[(m0 + i) * G + g])
                                               : _mm512_setzero_si512();
       for (int j = 0; j < NT; j++) acc[i][j] = init;
@@ -191,10 +180,8 @@ inline void quant_block(const int8_t* q, const float* xs, const int32_t* start, 
       // Counted from 0 with the unroll asked for, the 8 chunks of a group unroll
       // and the accumulators stay put; counted from g * 8, g++ 12 kept the loop
       // and copied all MR x NT accumulators between registers every chunk (16
-      // moves per 8 VPDPBUSD). The kernel alone, [16384, 2048] Q8_0 at M = 16 /
-      // 64: 396-450 / 437-482 -> 495-583 / 524-600 GOPS, M = 1: 52-58 -> 60-66
-      // (3 alternated runs on a 2-vCPU Zen 4); the 1.66B model's decode steps
-      // (1 or 16 rows), bound by that VM's DRAM, did not measurably change.
+      // moves per 8 VPDPBUSD). Unrolled, the kernel is faster from cache; decode
+      // steps bound by DRAM do not change.
 #pragma GCC unroll 8
       for (int c = 0; c < 8; c++) {
         __m512i wv[NT];
@@ -260,23 +247,16 @@ inline void quant_tiles(const int8_t* q, const float* xs, const int32_t* start, 
     // Tiles lie one after the other, so a thread reads its share as one
     // sequential stream (int8 with group scales: two). Four tiles at a time
     // (four streams 16 x kp bytes apart) were faster from L3 for int4 (above)
-    // but read a DRAM-sized weight, what a decode step streams, slower:
-    // [131072, 4096] on a 2-vCPU Zen 4, whose DRAM alternates between two
-    // states (sum() at ~34 and ~58 GB/s), Q8_0 43.7 -> 51.2 GB/s in the fast
-    // state, 32.0 -> 34.4 in the slow one, Q4_0 46.9 -> 50.9 and 33.6 -> 34.5;
-    // single-stream decode, alternated: 1.66B Q8_0 37.8-64.6 -> 33.1-58.3 ms
-    // a token, Q4_0 24.2-33.0 -> 19.6-30.9, the default model 3.8-5.6 ->
-    // 3.1-4.3 (8 pairs each).
+    // but read a DRAM-sized weight, what a decode step streams, slower, and
+    // single-stream decode with them was slower too.
     for (int64_t t = tile0; t < tile1; t++)
       quant_block<F, 1, 1>(q, xs, start, xq, kp, 0, w, t, 1, bias, accumulate, out, os);
     return;
   }
   // A batch reads each tile pair from memory in its first row block and from
   // L2 in the others; the row blocks of a pair each bring 1 / blocks of the
-  // next pair into cache, so that read overlaps with arithmetic. The 1.66B
-  // model's layers cycled through (DRAM, not L3) at M = 16 on a 2-vCPU Zen 4:
-  // int8 gate_up 487 -> 601 GOPS, int4 536 -> 609 (M = 8: 393 -> 463, 477 ->
-  // 596); 16 requests of 128 + 128 tokens 72.4 -> 77.5 tok/s (Q8_0).
+  // next pair into cache, so that read overlaps with arithmetic (batched
+  // matmuls over weights from DRAM, and batched serving, went faster).
   const int64_t tb = tile_bytes<F>(kp), G = kp / kInt8Group;
   const int64_t blocks = (M + kInt8RowBlock - 1) / kInt8RowBlock;
   const int64_t pf_group = (2 * tb / G / blocks + 63) / 64 * 64;
@@ -413,8 +393,7 @@ struct QuantizedRows {
   std::vector<int32_t> start128, start8;  // -128 / -8 x the group's sum of q
   // xs * sum q, what a group's lo multiplies (int4 with lo): once per row, so the
   // kernel broadcasts it from memory instead of converting and multiplying it
-  // for every tile pair (int4 with lo at M = 16-64 on a 2-vCPU Zen 4: 610-620
-  // -> 618-633 GOPS, A/B in one sitting).
+  // for every tile pair.
   std::vector<float> xq;
 
   void quantize(const float* x, int64_t stride, int64_t M_, int64_t K, bool parallel) {

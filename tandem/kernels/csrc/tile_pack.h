@@ -5,8 +5,8 @@
 // over the same bytes), or tandem's own quantizers' arrays. Each call packs
 // the rows of one part at a row offset of the tile buffer, so a fused matmul
 // (Q/K/V, gate/up) is packed part by part, straight from the file's pages:
-// no decoded copy, no concatenated copy, no transposed copy. An 8B Q8_0 load
-// spent ~17 s in those three numpy / torch passes.
+// no decoded copy, no concatenated copy, no transposed copy: the three numpy /
+// torch passes that dominated an 8B Q8_0 load.
 #pragma once
 
 #include "quant_linear.h"
