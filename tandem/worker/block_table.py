@@ -2,9 +2,8 @@
 
 Attention reads each sequence's block ids as a row of a [B, blocks] int tensor.
 Rebuilding that from the requests' Python lists every step costs O(batch x
-context): 1.3 ms per step at 64 sequences x 4k tokens. Here each request holds
-a row while it runs, and a step copies only the block ids allocated since the
-last one, O(batch + new blocks).
+context). Here each request holds a row while it runs, and a step copies only
+the block ids allocated since the last one, O(batch + new blocks).
 
 Each KV cache group (tandem.core.kv_cache_manager.KVCacheGroups) has a table
 of its own; every group's block list is as long as group 0's.
@@ -58,7 +57,7 @@ class BlockTable:
         ids in each group (entries past a sequence's blocks are stale, never read;
         a window group's before its window are stale or 0: the kernels skip them,
         the reference path masks them)."""
-        # numpy's gather (~6 us) may lay the result out groups-last.
+        # numpy's gather may lay the result out groups-last.
         return torch.from_numpy(np.ascontiguousarray(self.array[:, rows, :num_blocks]))
 
     def release(self, request_id: str) -> None:

@@ -3,7 +3,7 @@
 At small batch a decode step is bound by reading the weights, and driven from
 Python, op by op, it also leaves memory idle between ops: ~10 dispatches and
 thread-team wake-ups per layer and MKL's ramp-up at the start of each small
-matmul cost ~3.5 ms of a 22 ms fp32 step at batch 1 for the default model.
+matmul cost a sizeable share of a batch-1 step.
 ``torch.classes.tandem.DecodeStep`` (tandem/kernels/csrc/decode_step.h) runs the
 embedding rows, every layer and the LM head in one OpenMP team instead, with
 the same kernels as the per-op path (tandem.kernels.custom_ops) and, for fp32

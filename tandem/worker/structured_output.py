@@ -1,12 +1,7 @@
 """Constrained decoding (structured outputs): grammars, per-request matchers, token masks.
 
-The backend is llguidance, chosen by measurement on this 2-core CPU (shared
-with other jobs): SmolLM2's 49,152-token vocabulary, a five-field JSON schema,
-32 matchers walking valid documents. Filling one row's mask cost 13-17 µs per
-step with llguidance 1.9 and 5-12 µs with xgrammar 0.2.9 (advancing a matcher:
-~2 µs and ~1 µs): for 32 rows ~0.5 ms against ~0.2-0.4 ms, about 1% of a
-batch-32 decode step (inside a run, on the engine thread, a llguidance row
-costs ~22 µs). What decides is the weight:
+The backend is llguidance. It fills a row's mask slower than xgrammar, but
+either is a small part of a decode step; what decides is the weight:
 llguidance is one 3 MB wheel with no dependencies, while xgrammar brings
 apache-tvm-ffi and triton (a 286 MB wheel) for kernels a CPU engine never
 runs. It is the ``structured`` extra, imported lazily:
@@ -14,9 +9,9 @@ an engine without it serves unconstrained requests as before, and a
 constrained request gets a ValueError naming the extra.
 
 * Compile once per spec: the llguidance tokenizer is built once per engine
-  (~0.3 s, on the first constrained request); each distinct spec (keyed on its
+  (on the first constrained request); each distinct spec (keyed on its
   canonical JSON) is compiled into a pristine matcher, kept in an LRU cache,
-  and every request gets a ``deep_copy`` of it (~7 µs).
+  and every request gets a cheap ``deep_copy`` of it.
 * Per request a ``StructuredOutputRequest`` lives on the ``Request``. It has
   consumed exactly the request's output tokens (those after a think block, when
   the request lets a reasoning model think first): preemption keeps the output
@@ -25,8 +20,8 @@ constrained request gets a ValueError naming the extra.
 * Per step the runner fills the constrained rows' masks once the forward pass
   is issued (on a GPU it overlaps the kernels), on the engine thread: any
   other thread on a 2-core CPU slows the forward as much as it hides (a
-  worker thread during the forward measured no gain; llguidance's own
-  executor pool cost ~1.5 ms of forward per step). The sampler applies the
+  worker thread during the forward gained nothing; llguidance's own
+  executor pool slowed the forward). The sampler applies the
   packed bitmask as it comes (``apply_token_bitmask_``).
 """
 
@@ -56,8 +51,8 @@ if TYPE_CHECKING:
     from tandem.core.request import Request
     from tandem.tokenizer import Tokenizer
 
-# Distinct specs kept compiled (a small schema compiles in ~1 ms, a huge
-# grammar in up to ~1 s, llguidance's figure).
+# Distinct specs kept compiled: compiling one costs far more than the
+# deep_copy each request takes.
 GRAMMAR_CACHE_SIZE = 256
 # JSON as json.dumps writes it (", " and ": ", no other whitespace): tokens a
 # model has seen, and no room for the endless-whitespace loop a flexible
@@ -422,9 +417,9 @@ class StructuredOutputManager:
             self._bitmask = torch.empty(max(n, 64), -(-self.vocab_size // 32), dtype=torch.int32)
         words = self._bitmask[:n]
         # Each matcher fills its row on this thread. llguidance's LLExecutor (a
-        # rayon pool, even of one thread) cost 65 µs a row in the run against 22
-        # here, and its worker, spinning on a 2-core machine, slowed the next
-        # forward by ~1.5 ms (benchmarks/structured_outputs.py: 0.91-0.92x -> ~1x).
+        # rayon pool, even of one thread) took longer a row than this, and its
+        # worker, spinning on a 2-core machine, slowed the next forward
+        # (benchmarks/structured_outputs.py).
         nbytes = words.shape[1] * 4
         base = words.data_ptr()
         for j, i in enumerate(rows):

@@ -3,15 +3,14 @@
 Every parallel op of a step (one OpenMP team per matmul, attention, norm) ends
 in a barrier. When another process runs on one of the team's cores, the thread
 there is descheduled for a time slice at a time, and every barrier waits for
-it: on 2 cores with a CPU-bound neighbour on one, a 16-stream decode step went
-from 23 ms to 912 ms with libgomp's default spinning (a spinning thread has
-used up its share when the work arrives). Fewer threads than cores then run
-faster than all of them: 75 ms at 1 thread.
+it: beside a CPU-bound neighbour a decode step takes many times as long with
+libgomp's default spinning (a spinning thread has used up its share when the
+work arrives). Fewer threads than cores then run faster than all of them.
 
 No static choice is right for both a quiet and a shared machine, so the engine
 thread measures. The kernel says how long this process's threads waited,
-runnable, for a CPU (/proc/self/task/*/schedstat): about 6% of the CPU time
-they got on a quiet 2-core machine at 16 streams, 84% beside a neighbour. Only
+runnable, for a CPU (/proc/self/task/*/schedstat): a small share of the CPU
+time they got on a quiet machine, most of it beside a neighbour. Only
 when that wait is high does the tuner try fewer threads, so a quiet machine
 pays nothing; below the maximum it tries more now and then, to climb back.
 A try runs a few steps at the other count, alternating with the current one so
