@@ -22,6 +22,9 @@ QUANTIZATIONS = ("none", "int8", "int4", "auto")
 # --kv-cache-dtype's choices; "auto" resolves to one of the others (or bf16 on
 # CUDA) by resolve_kv_cache_dtype, the one rule for engine, planner and checks.
 KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8")
+# The float dtypes: --dtype's names (torch's own) -> the short names the KV
+# cache and the planner use. One policy for engine, cache and planner.
+DTYPE_SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def resolve_dtype(dtype: str, device_type: str) -> str:
@@ -290,7 +293,7 @@ class EngineConfig:
         choices=("auto", "gguf", "hf", "dummy"))
     dtype: str = _flag(
         "auto", "auto = float32 on CPU (bf16 matmuls are very slow there), bfloat16 on CUDA",
-        choices=("auto", "float32", "bfloat16", "float16"))
+        choices=("auto", *DTYPE_SHORT_NAMES))
     device: str = _flag("auto", "where the model runs", choices=("auto", "cpu", "cuda"))
     quantization: str = _flag(
         "auto", "weight quantization of the layer matmuls: fewer bytes read per decode step "

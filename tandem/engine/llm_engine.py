@@ -41,7 +41,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 2 * 2**30
 KV_COMMIT_HEADROOM = 2**30  # bytes of memory the KV pool's commit leaves free
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _resolve_device(config: EngineConfig) -> torch.device:
@@ -60,7 +59,7 @@ class LLMEngine:
         self.device = _resolve_device(config)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or torch.get_num_threads())
-        self.dtype = _DTYPES[resolve_dtype(config.dtype, self.device.type)]
+        self.dtype = getattr(torch, resolve_dtype(config.dtype, self.device.type))  # torch's names
         files = resolve_model(config.model, config.load_format)
         self.model_dir = files.dir
         # The tokenizer before the weights: a directory without one is an error

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.config import resolve_kv_cache_dtype
+from tandem.config import DTYPE_SHORT_NAMES, resolve_kv_cache_dtype
 from tandem.kernels import custom_ops
 from tandem.model.hugepages import Allocator, HugePageArena
 
@@ -125,14 +125,14 @@ class Int8KVCache:
 KVCache = DenseKVCache | Int8KVCache
 # One per element type tandem.config.resolve_kv_cache_dtype names.
 _CLASSES = {"fp32": Fp32KVCache, "bf16": Bf16KVCache, "fp16": Fp16KVCache, "int8": Int8KVCache}
-_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def kv_cache_dtype_name(kv_cache_dtype: str, device: torch.device, dtype: torch.dtype) -> str:
     """--kv-cache-dtype resolved for an engine computing in ``dtype`` on ``device``:
     on CPU, bf16 only where the kernels as built multiply it."""
     cpu_bf16 = "avx512_bf16" in custom_ops.simd_features() if device.type == "cpu" else None
-    return resolve_kv_cache_dtype(kv_cache_dtype, device.type, _NAMES[dtype], cpu_bf16=cpu_bf16)
+    compute = DTYPE_SHORT_NAMES[str(dtype).removeprefix("torch.")]
+    return resolve_kv_cache_dtype(kv_cache_dtype, device.type, compute, cpu_bf16=cpu_bf16)
 
 
 def kv_cache_class(name: str) -> type[DenseKVCache] | type[Int8KVCache]:

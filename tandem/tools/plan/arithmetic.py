@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tandem.config import EngineConfig, resolve_kv_cache_dtype
+from tandem.config import DTYPE_SHORT_NAMES, EngineConfig, resolve_kv_cache_dtype
 from tandem.config import resolve_dtype as resolve_engine_dtype
 from tandem.core.kv_cache_manager import KVCacheGroups, group_layers
 from tandem.diagnosis.thresholds import READABLE_TOK_S as READABLE_TOK_S  # capacity.py warns by it
@@ -59,7 +59,7 @@ INT4_GROUP = 32
 KV8_GROUP = 32
 KV8_DTYPES = ("int8", "fp8", "q8_0")
 # The engine's float dtype names (tandem.config's --dtype) in the planner's.
-PLANNER_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+PLANNER_DTYPES = DTYPE_SHORT_NAMES
 # ... and the planner's float dtypes as the engine's --dtype names them.
 ENGINE_DTYPES = {v: k for k, v in PLANNER_DTYPES.items()}
 BLOCK_SIZE = EngineConfig.block_size
