@@ -22,7 +22,8 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.client import EngineStats, ModelInfo, RequestState
-from tandem.engine.llm_engine import KVBlocks, LLMEngine
+from tandem.engine.kv_handoff import KVBlocks
+from tandem.engine.llm_engine import LLMEngine
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 

@@ -15,7 +15,6 @@ import logging
 import numbers
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +24,8 @@ from tandem.core.kv_cache_manager import KVCacheGroups, KVCacheManager, group_la
 from tandem.core.output_processor import EngineCoreOutput, process_output
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler import Scheduler
+from tandem.engine import kv_handoff
+from tandem.engine.kv_handoff import KVBlocks
 from tandem.engine.token_budget import ChunkTuner, cpu_token_budgets
 from tandem.model.attention import AttentionMetadata, build_group
 from tandem.model.hugepages import populate
@@ -441,63 +442,16 @@ class LLMEngine:
 
     # ------------------------------------------- KV hand-off (disaggregated prefill)
     def export_kv(self, token_ids: Sequence[int]) -> KVBlocks:
-        """The KV of token_ids' longest cached full-block prefix, copied out of the
-        pool: a prefill engine's hand-off once the request finished (its blocks
-        stay cached until evicted). Engine thread only (AsyncEngine.call)."""
-        self._check_kv_handoff()
-        blocks = self.kv_manager.cached_prefix(token_ids)
-        n = len(blocks) * self.config.block_size
-        slots = self._slots([b.block_id for b in blocks])
-        tensors = []
-        for part in zip(*(c.tensors for c in self.kv_caches)):  # K/V (, scales)
-            out = torch.empty((len(part), n, *part[0].shape[1:]), dtype=part[0].dtype)
-            for layer, t in enumerate(part):
-                if t.device == out.device:  # one copy, straight into the export
-                    torch.index_select(t, 0, slots, out=out[layer])
-                else:
-                    out[layer] = t.index_select(0, slots)
-            tensors.append(out)
-        return KVBlocks(list(token_ids[:n]), self.config.block_size, tensors)
+        """token_ids' cached prefix copied out (kv_handoff.export_kv). Engine
+        thread only (AsyncEngine.call)."""
+        return kv_handoff.export_kv(self.kv_manager, self.kv_caches, self.kv_groups,
+                                    self.config.block_size, token_ids)
 
     def import_kv(self, kv: KVBlocks) -> int:
-        """Write another engine's exported KV into this pool as prefix-cache blocks
-        (free and cached, as a finished request leaves them), so a request with
-        that prompt is admitted as a hit. Returns the tokens now cached. Engine
-        thread only (AsyncEngine.call)."""
-        self._check_kv_handoff()
-        bs = self.config.block_size
-        mine = self.kv_caches[0].tensors
-        # Float K/V convert (auto is bf16 or fp16 by each CPU's features, so a
-        # prefill and a decode replica on different CPUs hold different ones).
-        if kv.block_size != bs or len(kv.tensors) != len(mine) or any(
-                src.shape[0] != len(self.kv_caches) or src.shape[2:] != t.shape[1:]
-                or (src.dtype != t.dtype
-                    and not (src.is_floating_point() and t.is_floating_point()))
-                for src, t in zip(kv.tensors, mine)):
-            raise ValueError("the exported KV blocks do not fit this engine's cache "
-                             "(another model, block size or KV dtype)")
-        held, fresh = self.kv_manager.import_prefix(kv.token_ids)
-        if fresh:
-            slots = self._slots([held[i].block_id for i in fresh])
-            rows = self._slots(fresh).to(torch.device("cpu"))
-            for layer, cache in enumerate(self.kv_caches):
-                for t, src in zip(cache.tensors, kv.tensors):
-                    t.index_copy_(0, slots, src[layer].index_select(0, rows).to(t.device, t.dtype))
-        self.kv_manager.release([b.block_id for b in held])
-        return len(held) * bs
-
-    def _check_kv_handoff(self) -> None:
-        """KV hand-off moves group 0's blocks, which hold every layer only in one group."""
-        if self.kv_groups.hybrid:
-            raise ValueError(
-                "KV hand-off needs every layer's KV in one block table; this model's "
-                "sliding-window layers have their own: start its engines with "
-                "--disable-hybrid-kv-cache-manager")
-
-    def _slots(self, block_ids: Sequence[int]) -> torch.Tensor:
-        bs = self.config.block_size
-        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        return (ids[:, None] * bs + torch.arange(bs, device=self.device)).reshape(-1)
+        """Another engine's export as prefix-cache blocks (kv_handoff.import_kv);
+        the tokens now cached. Engine thread only (AsyncEngine.call)."""
+        return kv_handoff.import_kv(self.kv_manager, self.kv_caches, self.kv_groups,
+                                    self.config.block_size, kv)
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -592,21 +546,6 @@ class LLMEngine:
         """The request leaves the scheduler, its blocks and its block-table row."""
         self.scheduler.finish_request(req, status)
         self.runner.block_table.release(req.request_id)
-
-
-@dataclass
-class KVBlocks:
-    """KV exported by one engine for another: the first ``len(token_ids)`` tokens
-    (whole blocks) of a prompt, one tensor per cache part (K/V, plus scales for
-    an int8 cache) shaped [layers, tokens, ...]."""
-
-    token_ids: list[int]
-    block_size: int
-    tensors: list[torch.Tensor]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
 def _check_max_model_len(config: EngineConfig, cfg: ModelConfig) -> None:

@@ -13,7 +13,8 @@ from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.distributed.replica import PackedKV, continued_request
 from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.client import EngineDeadError
-from tandem.engine.llm_engine import KVBlocks, LLMEngine
+from tandem.engine.kv_handoff import KVBlocks
+from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling_params import SamplingParams
 
 BS = 4  # the cache manager tests' block size
