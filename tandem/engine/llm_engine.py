@@ -9,7 +9,6 @@ Not thread-safe: AsyncEngine drives it from one background thread.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import logging
 import numbers
@@ -18,15 +17,25 @@ from collections.abc import Sequence
 
 import torch
 
-from tandem.config import EngineConfig, format_bytes, host_memory, resolve_dtype
+from tandem.config import EngineConfig, host_memory, resolve_dtype
 from tandem.core.detokenizer import IncrementalDetokenizer
-from tandem.core.kv_cache_manager import KVCacheGroups, KVCacheManager, group_layers
+from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.output_processor import EngineCoreOutput, process_output
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler import Scheduler
 from tandem.engine import kv_handoff
 from tandem.engine.kv_handoff import KVBlocks
-from tandem.engine.token_budget import ChunkTuner, cpu_token_budgets
+from tandem.engine.kv_sizing import (
+    KVLayout,
+    check_pool_before_load,
+    cuda_kv_budget,
+    kv_layout,
+    log_pool,
+    set_kv_bytes,
+    size_pool,
+    step_budgets,
+)
+from tandem.engine.token_budget import ChunkTuner
 from tandem.model.attention import AttentionMetadata, build_group
 from tandem.model.hugepages import populate
 from tandem.model.kv_cache import kv_cache_class, kv_cache_dtype_name
@@ -40,7 +49,6 @@ from tandem.worker.structured_output import GrammarFailedError, StructuredOutput
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_BYTES = 2 * 2**30
 KV_COMMIT_HEADROOM = 2**30  # bytes of memory the KV pool's commit leaves free
 
 
@@ -54,31 +62,43 @@ def _resolve_device(config: EngineConfig) -> torch.device:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
+        """Built in order: config, model (the KV layout first, from its config,
+        so what can fail without the weights fails before they load: the
+        tokenizer, --max-model-len, a pool of a set size), KV pool, KV manager,
+        scheduler, runner."""
         config = config or EngineConfig(**kwargs)
-        self.config = config
+        self.config = c = config
         t0 = time.monotonic()
-        self.device = _resolve_device(config)
+        self.device = _resolve_device(c)
         if self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads or torch.get_num_threads())
-        self.dtype = getattr(torch, resolve_dtype(config.dtype, self.device.type))  # torch's names
-        files = resolve_model(config.model, config.load_format)
+            torch.set_num_threads(c.num_threads or torch.get_num_threads())
+        self.dtype = getattr(torch, resolve_dtype(c.dtype, self.device.type))  # torch's names
+        files = resolve_model(c.model, c.load_format)
         self.model_dir = files.dir
         # The tokenizer before the weights: a directory without one is an error
-        # in a second, not after an 8B model's load (~2 min).
+        # in a second, not after a large model's load.
         self.tokenizer: Tokenizer | None = None
-        if not config.skip_tokenizer_init:
+        if not c.skip_tokenizer_init:
             self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        # So is a --max-model-len beyond the model's window (its config.json alone).
+        # So is a --max-model-len beyond the model's window (its config.json alone),
         model_config = ModelConfig.from_hf(read_hf_config(self.model_dir))
-        _check_max_model_len(config, model_config)
-        self._check_pool_before_load(model_config)
-        # On CPU the load stops as soon as the weights show they cannot fit
-        # beside the KV pool (loader.MemoryGuard), not when the kernel kills it.
-        self.model = load_model(
-            files, config.load_format, self.dtype, self.device, config.seed,
-            config.quantization, model_config,
-            self._set_kv_bytes() if self.device.type == "cpu" else None,
-        )
+        _check_max_model_len(c, model_config)
+        max_len = c.max_model_len or model_config.max_position_embeddings
+        # ... and a pool of a set size that cannot hold it (a GPU's default
+        # pool is what its memory leaves after the weights: None here).
+        layout = self._kv_layout(model_config, max_len)
+        self.kv_cache_dtype = layout.dtype
+        set_bytes = set_kv_bytes(c.kv_cache_memory) if (
+            c.kv_cache_memory is not None or self.device.type == "cpu") else None
+        if set_bytes is not None:
+            check_pool_before_load(layout, set_bytes, max_len,
+                                   fixed_len=c.max_model_len is not None)
+
+        # The model. On CPU the load stops as soon as the weights show they cannot
+        # fit beside the KV pool (loader.MemoryGuard), not when the kernel kills it.
+        self.model = load_model(files, c.load_format, self.dtype, self.device, c.seed,
+                                c.quantization, model_config,
+                                set_bytes if self.device.type == "cpu" else None)
         self.model_config = self.model.cfg
         eos = self.tokenizer.eos_token_id if self.tokenizer else self.model_config.eos_token_id
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
@@ -88,13 +108,46 @@ class LLMEngine:
             eos if isinstance(eos, list) else [eos])
         self.eos_token_ids = frozenset(t for t in ends if t is not None)
         self.load_duration_s = time.monotonic() - t0
-        self._init_kv_cache()
-        # Grammars for structured outputs (llguidance, imported on first use).
+
+        # The KV pool: the step's token budgets (measured on the loaded model on
+        # CPU), the bytes (a GPU's after a warm-up step), then its blocks.
+        steps = step_budgets(c.max_num_batched_tokens, self.device.type, self._step_cost,
+                             c.max_num_seqs, self.model_config.max_position_embeddings)
+        size = size_pool(
+            layout, set_bytes if set_bytes is not None else self._cuda_kv_budget(
+                steps.max_num_batched_tokens), max_len, steps,
+            chunked_prefill=c.enable_chunked_prefill, fixed_len=c.max_model_len is not None,
+            fixed_batched=c.max_num_batched_tokens is not None,
+            budget_flag="--kv-cache-memory" if set_bytes is not None
+            else "--gpu-memory-utilization")
+        log_pool(layout, size, c.max_num_seqs)
+        self.kv_groups = layout.groups
+        self.kv_bytes_per_token = layout.bytes_per_token
+        self.kv_pool_tokens = layout.pool_tokens(size.num_blocks)
+        self.max_model_len = size.max_model_len
+        self.max_num_batched_tokens = size.max_num_batched_tokens
+        self.kv_caches = allocate_kv_caches(self.model, size.num_blocks, c.block_size,
+                                            self.dtype, layout.dtype, layout.groups)
+
+        self.kv_manager = KVCacheManager(size.num_blocks, c.block_size, c.enable_prefix_caching,
+                                         windows=layout.groups.windows)
+
+        cap = size.max_prefill_tokens_with_decodes
+        self.scheduler = Scheduler(self.kv_manager, c.max_num_seqs, size.max_num_batched_tokens,
+                                   c.enable_chunked_prefill, cap)
+        self.chunk_tuner = None if cap is None else ChunkTuner(
+            cap, steps.t1, size.max_num_batched_tokens, steps.per_token)
+
+        # The runner, with the grammars of structured outputs (llguidance,
+        # imported on first use) where there is a tokenizer for their vocabulary.
         self.structured_output: StructuredOutputManager | None = None
         if self.tokenizer is not None:
             self.structured_output = StructuredOutputManager(
                 self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-            self.runner.structured_output = self.structured_output
+        self.runner = ModelRunner(self.model, self.kv_caches, c.block_size, self.eos_token_ids,
+                                  c.max_num_seqs, size.max_model_len, layout.groups, c.seed,
+                                  self.structured_output)
+
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
         # Engine-level counters for the metrics endpoint.
@@ -103,172 +156,37 @@ class LLMEngine:
         self.num_steps = 0
 
     # ------------------------------------------------------------------ set-up
-    def _kv_layout(self, cfg: ModelConfig) -> tuple[str, int, KVCacheGroups, int]:
-        """The pool's element type ("auto" resolved once, here), a token's KV
-        bytes in one layer, the layers' KV cache groups and a block's bytes
-        (a block: block_size tokens of one group's layers)."""
+    def _kv_layout(self, cfg: ModelConfig, max_len: int) -> KVLayout:
+        """The pool's layout, its element type resolved ("auto") once, here."""
         c = self.config
         kv_dtype = kv_cache_dtype_name(c.kv_cache_dtype, self.device, self.dtype)
-        layer_bytes = kv_cache_class(kv_dtype).bytes_per_token_layer(
-            cfg.num_key_value_heads, cfg.head_dim)
-        groups = group_layers([cfg.layer_window(i) for i in range(cfg.num_hidden_layers)],
-                              not c.disable_hybrid_kv_cache_manager,
-                              c.max_model_len or cfg.max_position_embeddings)
-        return kv_dtype, layer_bytes, groups, groups.group_size * layer_bytes * c.block_size
+        return kv_layout(
+            kv_dtype, kv_cache_class(kv_dtype).bytes_per_token_layer(cfg.num_key_value_heads,
+                                                                     cfg.head_dim),
+            [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)], c.block_size, max_len,
+            not c.disable_hybrid_kv_cache_manager)
 
-    def _pool_blocks(self, groups: KVCacheGroups, block_bytes: int, max_len: int, budget: int,
-                     chunk: int) -> tuple[int, int]:
-        """(blocks, the context they hold up to max_len) of a pool of ``budget``
-        bytes whose requests' steps compute up to ``chunk`` tokens each;
-        ValueError when it cannot hold the --max-model-len context (or 2 tokens,
-        without one)."""
-        c = self.config
-        num_blocks = budget // block_bytes
-        if num_blocks < 1:
-            flag = "--kv-cache-memory" if c.kv_cache_memory is not None or \
-                self.device.type == "cpu" else "--gpu-memory-utilization"
-            raise ValueError(
-                f"the KV cache budget ({format_bytes(budget)}) holds no block of "
-                f"{format_bytes(block_bytes)}; raise {flag}"
-            )
-
-        def blocks_for(n: int) -> int:
-            return groups.blocks_for(n, c.block_size, chunk)
-
-        if blocks_for(max_len) > num_blocks:
-            fits = bisect.bisect_right(range(max_len + 1), num_blocks, key=blocks_for) - 1
-            if c.max_model_len is not None or fits < 2:
-                raise ValueError(
-                    f"a {max_len}-token context needs {blocks_for(max_len)} KV blocks but the "
-                    f"pool holds {num_blocks} ({fits} tokens); raise --kv-cache-memory or "
-                    "lower --max-model-len"
-                )
-            max_len = fits
-        return num_blocks, max_len
-
-    def _check_pool_before_load(self, cfg: ModelConfig) -> None:
-        """A pool of a set size that cannot hold the context fails before the
-        weights load (minutes for an 8B), not after: at the fewest blocks a
-        request can hold (steps of one token; a window group keeps a step's
-        tokens too, and the step budget is measured on the loaded model)."""
-        if self.config.kv_cache_memory is not None or self.device.type == "cpu":
-            _, _, groups, block_bytes = self._kv_layout(cfg)
-            self._pool_blocks(groups, block_bytes,
-                              self.config.max_model_len or cfg.max_position_embeddings,
-                              self._set_kv_bytes(), chunk=1)
-
-    def _init_kv_cache(self) -> None:
-        cfg, c = self.model_config, self.config
-        self.kv_cache_dtype, layer_bytes, groups, block_bytes = self._kv_layout(cfg)
-        bytes_per_token = cfg.num_hidden_layers * layer_bytes  # every layer's KV of a token
-        max_len = c.max_model_len or cfg.max_position_embeddings
-        # An explicit budget holds for every step (vLLM's semantics); CPU's default
-        # follows the model's cost and caps prompt tokens in steps with decodes.
-        budget_tokens, prefill_cap = c.max_num_batched_tokens, None
-        t1 = per_token = 0.0
-        if budget_tokens is None and self.device.type == "cuda":
-            budget_tokens = 8192
-        elif budget_tokens is None:
-            budget_tokens, prefill_cap, t1, per_token = self._cpu_token_budgets()
-        if c.kv_cache_memory is None and self.device.type == "cuda":
-            budget = self._cuda_kv_budget(budget_tokens)
-        else:
-            budget = self._set_kv_bytes()
-        # The most tokens one step computes for a request: a window group keeps them.
-        chunk = budget_tokens if c.enable_chunked_prefill else max(budget_tokens, max_len)
-        num_blocks, fits = self._pool_blocks(groups, block_bytes, max_len, budget, chunk)
-        if fits < max_len:
-            logger.warning("max_model_len lowered from %d to the %d tokens the KV pool holds",
-                           max_len, fits)
-            max_len = fits
-        self.max_model_len = max_len
-        if not c.enable_chunked_prefill and c.max_num_batched_tokens is None:
-            budget_tokens, prefill_cap = max(budget_tokens, max_len), None
-        if not c.enable_chunked_prefill and budget_tokens < max_len:
-            raise ValueError(
-                f"without chunked prefill --max-num-batched-tokens ({budget_tokens}) must be "
-                f">= max_model_len ({max_len}), or long prompts could never be scheduled"
-            )
-        self.max_num_batched_tokens = budget_tokens
-        self.kv_groups = groups
-        self.kv_caches = allocate_kv_caches(
-            self.model, num_blocks, c.block_size, self.dtype, self.kv_cache_dtype, groups
-        )
-        self.kv_manager = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching,
-                                         windows=groups.windows)
-        self.scheduler = Scheduler(
-            self.kv_manager, c.max_num_seqs, budget_tokens, c.enable_chunked_prefill,
-            prefill_cap,
-        )
-        self.chunk_tuner = None if prefill_cap is None else ChunkTuner(
-            prefill_cap, t1, budget_tokens, per_token)
-        self.runner = ModelRunner(self.model, self.kv_caches, c.block_size, self.eos_token_ids,
-                                  c.max_num_seqs, max_len, groups, c.seed)
-        self.kv_bytes_per_token = bytes_per_token
-        # Tokens of every layer's KV the pool's bytes hold (its blocks' tokens
-        # without window groups).
-        self.kv_pool_tokens = num_blocks * c.block_size * groups.group_size // (
-            cfg.num_hidden_layers)
-        logger.info(
-            "KV cache (%s): %d blocks x %d tokens x %d layers (%.2f GiB), %d bytes/token of "
-            "%d layers%s; max_model_len %d -> %.1f full-context conversations fit; "
-            "max_num_seqs %d, max_num_batched_tokens %d%s",
-            self.kv_cache_dtype, num_blocks, c.block_size, groups.group_size,
-            num_blocks * block_bytes / 2**30, bytes_per_token, cfg.num_hidden_layers,
-            f"; {len(groups.windows)} groups, windows {groups.windows}: a request holds the "
-            "windowed layers' blocks of its last window only" if groups.hybrid else "",
-            max_len, num_blocks / groups.blocks_for(max_len, c.block_size, chunk), c.max_num_seqs,
-            budget_tokens,
-            "" if prefill_cap is None else f" ({prefill_cap} prompt tokens in steps with decodes)",
-        )
-
-    def _set_kv_bytes(self) -> int:
-        """The KV pool's bytes where they are set ahead: --kv-cache-memory, or
-        the CPU's default (a GPU's default is what its memory leaves)."""
-        c = self.config.kv_cache_memory
-        return DEFAULT_CPU_KV_BYTES if c is None else int(c)
-
-    def _cpu_token_budgets(self) -> tuple[int, int, float, float]:
-        """(max_num_batched_tokens, prompt tokens per step with decodes, a
-        1-token step's seconds, a further token's) from this model's measured
-        cost on this CPU (cpu_token_budgets)."""
-        def cost(n: int) -> float:
-            t0 = time.perf_counter()
-            self.score_tokens([0] * n, 1)
-            return time.perf_counter() - t0
-
-        total, with_decodes, t1, per_token = cpu_token_budgets(
-            cost, self.config.max_num_seqs, self.model_config.max_position_embeddings)
-        logger.info("token budget %d per step, %d prompt tokens in steps with decodes (to "
-                    "start: tuned while serving): a 1-token step costs %.1f ms, each further "
-                    "token %.2f ms", total, with_decodes, t1 * 1e3, per_token * 1e3)
-        return total, with_decodes, t1, per_token
+    def _step_cost(self, num_tokens: int) -> float:
+        """Seconds of one num_tokens prefill: the CPU token budgets' probe."""
+        t0 = time.perf_counter()
+        self.score_tokens([0] * num_tokens, 1)
+        return time.perf_counter() - t0
 
     def _cuda_kv_budget(self, num_tokens: int) -> int:
-        """Bytes left for the KV pool: the utilization target minus everything else.
-
-        A warm-up forward of a full token budget (one prefill sequence, with a
-        scratch cache) measures the activation peak on top of the weights; memory
-        held outside torch's allocator (CUDA context, libraries) is counted too.
-        One sequence holds at most the model's positions: a budget beyond them
-        (several sequences in a step) scales the measured activations linearly.
-        """
+        """Bytes left for the KV pool (kv_sizing.cuda_kv_budget) from a warm-up
+        forward of up to num_tokens, one sequence, with a scratch cache."""
         c = self.config
         n = min(num_tokens, self.model_config.max_position_embeddings)
         torch.cuda.reset_peak_memory_stats()
         weights = torch.cuda.memory_allocated()
         self.score_tokens([0] * n, logits_rows=min(n, c.max_num_seqs))
         torch.cuda.synchronize()
-        peak = weights + (torch.cuda.max_memory_allocated() - weights) * num_tokens // n
+        peak = torch.cuda.max_memory_allocated()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         outside_torch = (total - free) - torch.cuda.memory_reserved()
-        budget = int(total * c.gpu_memory_utilization) - peak - outside_torch
-        logger.info("GPU memory: %.2f GiB total, peak %.2f GiB after weights + warm-up "
-                    "(%d tokens), %.2f GiB outside torch -> %.2f GiB for the KV cache",
-                    total / 2**30, peak / 2**30, num_tokens, outside_torch / 2**30,
-                    budget / 2**30)
-        return budget
+        return cuda_kv_budget(total, outside_torch, weights, peak, n, num_tokens,
+                              c.gpu_memory_utilization)
 
     def commit_kv_pool(self) -> None:
         """Fault in the whole CPU KV pool now (a server's engine does, in a

@@ -70,7 +70,10 @@ class ModelRunner:
         max_model_len: int,
         groups: KVCacheGroups,
         seed: int = 0,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
+        """``structured_output``: the grammars' token masks, where the engine has
+        a tokenizer (they need its vocabulary); None: no request is constrained."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -84,8 +87,7 @@ class ModelRunner:
         # Unseeded requests' draws: the engine's own stream, not torch's global one.
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.decode_step = DecodeStep.build(model, kv_caches, block_size, groups.layer_group)
-        # Set by the engine when it has a tokenizer (grammars need its vocabulary).
-        self.structured_output: StructuredOutputManager | None = None
+        self.structured_output = structured_output
 
     def _slots(self, row: int, start: int, n: int) -> torch.Tensor:
         """[groups, n]: each KV cache group's slots of positions [start, start + n)

@@ -167,7 +167,7 @@ def compare(
     """Planned vs allocated for a started ``LLMEngine`` and the planner's view of its model."""
     import torch
 
-    from tandem.engine.llm_engine import DEFAULT_CPU_KV_BYTES
+    from tandem.engine.kv_sizing import DEFAULT_CPU_KV_BYTES
 
     c = engine.config
     quant = c.quantization
