@@ -392,7 +392,7 @@ class LLMEngine:
             scheduled, prefill = scheduler.num_scheduled_tokens, scheduler.num_prefill_tokens
         sched = scheduler.schedule(start)
         for req in sched.preempted:  # recomputed later, in fresh blocks
-            self.runner.block_table.release(req.request_id)
+            self.runner.remove_request(req.request_id)
         if not sched:
             return []
         result = self.runner.execute(sched)
@@ -463,7 +463,7 @@ class LLMEngine:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         """The request leaves the scheduler, its blocks and its block-table row."""
         self.scheduler.finish_request(req, status)
-        self.runner.block_table.release(req.request_id)
+        self.runner.remove_request(req.request_id)
 
 
 def _check_max_model_len(config: EngineConfig, cfg: ModelConfig) -> None:

@@ -89,6 +89,11 @@ class ModelRunner:
         self.decode_step = DecodeStep.build(model, kv_caches, block_size, groups.layer_group)
         self.structured_output = structured_output
 
+    def remove_request(self, request_id: str) -> None:
+        """A request finished or was preempted (it recomputes later, in fresh
+        blocks): its block-table row is free (no-op if it had none)."""
+        self.block_table.release(request_id)
+
     def _slots(self, row: int, start: int, n: int) -> torch.Tensor:
         """[groups, n]: each KV cache group's slots of positions [start, start + n)
         of the sequence in ``row``."""
