@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -33,7 +34,6 @@ from tandem.core.request import Request, RequestStatus
 from tandem.engine.client import (
     EngineDeadError,
     EngineStats,
-    ModelInfo,
     RequestFailedError,
     RequestState,
 )
@@ -93,7 +93,7 @@ class AsyncEngine:
         if failure:
             self._stopped = True
             raise failure[0]
-        self.model_info = ModelInfo.of(self.engine)
+        self.model_info = self.engine.model_info()
         # The pool's pages, faulted in beside the engine thread before requests
         # need them (a syscall that holds no GIL and no thread team).
         self._commit = threading.Thread(target=self.engine.commit_kv_pool,
@@ -163,22 +163,11 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     def stats(self) -> EngineStats:
-        """Counters read from the caller's thread while the engine steps: each
-        value is consistent, the set is a moment give or take a step."""
-        e = self.engine
-        sched, kv = e.scheduler, e.kv_manager
-        return EngineStats(
-            num_running=sched.num_running, num_waiting=sched.num_waiting,
-            num_waiting_for_kv=sched.num_waiting_for_kv,
-            num_pending=self.num_pending, kv_cache_usage=kv.usage,
-            num_preemptions=sched.num_preemptions,
-            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
-            prompt_tokens_total=e.num_prompt_tokens_total,
-            generation_tokens_total=e.num_generation_tokens_total,
-            num_threads=self.num_threads, num_kv_blocks=kv.num_blocks, num_steps=e.num_steps,
-            scheduled_tokens_total=sched.num_scheduled_tokens,
-            prefill_tokens_total=sched.num_prefill_tokens,
-        )
+        """The engine's counters (LLMEngine.stats, read from the caller's thread
+        while it steps) with the requests still in the inbox and the threads a
+        step runs on now."""
+        return dataclasses.replace(self.engine.stats(), num_pending=self.num_pending,
+                                   num_threads=self.num_threads)
 
     async def request_states(self) -> list[RequestState]:
         """Taken on the engine thread between two steps (``call``), and only when

@@ -11,18 +11,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from tandem.core.request import Request, RequestStatus
-from tandem.model.linear import quantization_level
 from tandem.outputs import RequestOutput
 from tandem.paths import default_model_path
 from tandem.sampling_params import SamplingParams
 from tandem.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from tandem.engine.llm_engine import LLMEngine
-    from tandem.model.llama import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -46,21 +41,6 @@ class ModelInfo:
     quantization_level: str  # the format of most layer bytes, llama.cpp's names
     device: str
     load_duration_s: float
-
-    @classmethod
-    def of(cls, engine: LLMEngine) -> ModelInfo:
-        c, m = engine.config, engine.model_config
-        return cls(
-            source=c.model, model_dir=str(engine.model_dir),
-            model_path=str(default_model_path() if c.model is None else c.model),
-            load_format=c.load_format,
-            architecture=m.architecture, vocab_size=m.vocab_size, hidden_size=m.hidden_size,
-            num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
-            num_key_value_heads=m.num_key_value_heads, max_model_len=engine.max_model_len,
-            max_num_seqs=c.max_num_seqs, parameter_count=parameter_count(m),
-            size_bytes=engine.model.nbytes, quantization_level=served_quantization(engine),
-            device=engine.device.type, load_duration_s=engine.load_duration_s,
-        )
 
 
 class EngineDeadError(RuntimeError):
@@ -158,31 +138,6 @@ class ReplicaSet(Protocol):
         ...
 
 
-def parameter_count(cfg: ModelConfig) -> int:
-    """From the config (not the tensors), so a quantized layout does not change it."""
-    h, v, inter, d = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size, cfg.head_dim
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    per_layer = (
-        h * (heads + 2 * kv) * d  # q, k, v
-        + heads * d * h  # o
-        + 3 * h * inter  # gate, up, down
-        + 2 * h  # norms
-    )
-    if cfg.attention_bias:
-        per_layer += (heads + 2 * kv) * d
-    if cfg.qk_norm:
-        per_layer += 2 * d
-    embed = v * h
-    head = 0 if cfg.tie_word_embeddings else v * h
-    return embed + cfg.num_hidden_layers * per_layer + h + head
-
-
-def served_quantization(engine: LLMEngine) -> str:
-    """The format holding most of the layer matmuls' bytes, as served (a Q4_K_M
-    file's few Q6_K matrices run as int8 beside its int4 majority)."""
-    by_level: dict[str, int] = {}
-    for layer in engine.model.layers:
-        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            level = quantization_level(lin)
-            by_level[level] = by_level.get(level, 0) + lin.nbytes
-    return max(by_level, key=by_level.__getitem__)
+def served_model_path(source: str | None) -> str:
+    """ModelInfo.model_path of what --model named: None is the embedded default's GGUF."""
+    return str(default_model_path() if source is None else source)

@@ -24,6 +24,7 @@ from tandem.core.output_processor import EngineCoreOutput, process_output
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler import Scheduler
 from tandem.engine import kv_handoff
+from tandem.engine.client import EngineStats, ModelInfo, served_model_path
 from tandem.engine.kv_handoff import KVBlocks
 from tandem.engine.kv_sizing import (
     KVLayout,
@@ -39,6 +40,7 @@ from tandem.engine.token_budget import ChunkTuner
 from tandem.model.attention import AttentionMetadata, build_group
 from tandem.model.hugepages import populate
 from tandem.model.kv_cache import kv_cache_class, kv_cache_dtype_name
+from tandem.model.linear import quantization_level
 from tandem.model.llama import ModelConfig
 from tandem.model.loader import load_model, read_hf_config, resolve_model
 from tandem.outputs import RequestOutput
@@ -358,6 +360,40 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ------------------------------------------------ the client contract's views
+    def stats(self) -> EngineStats:
+        """The counters, safe to read from another thread while the engine steps:
+        each value is consistent, the set is a moment give or take a step. An
+        engine alone has no inbox (num_pending 0) and runs on its configured
+        threads; AsyncEngine replaces both with what it knows."""
+        sched, kv = self.scheduler, self.kv_manager
+        return EngineStats(
+            num_running=sched.num_running, num_waiting=sched.num_waiting,
+            num_waiting_for_kv=sched.num_waiting_for_kv, num_pending=0,
+            kv_cache_usage=kv.usage, num_preemptions=sched.num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+            prompt_tokens_total=self.num_prompt_tokens_total,
+            generation_tokens_total=self.num_generation_tokens_total,
+            num_threads=self.config.num_threads if self.device.type == "cpu" else None,
+            num_kv_blocks=kv.num_blocks, num_steps=self.num_steps,
+            scheduled_tokens_total=sched.num_scheduled_tokens,
+            prefill_tokens_total=sched.num_prefill_tokens,
+        )
+
+    def model_info(self) -> ModelInfo:
+        """The served model as the client contract describes it."""
+        c, m = self.config, self.model_config
+        return ModelInfo(
+            source=c.model, model_path=served_model_path(c.model), model_dir=str(self.model_dir),
+            load_format=c.load_format, architecture=m.architecture, vocab_size=m.vocab_size,
+            hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
+            num_attention_heads=m.num_attention_heads,
+            num_key_value_heads=m.num_key_value_heads, max_model_len=self.max_model_len,
+            max_num_seqs=c.max_num_seqs, parameter_count=parameter_count(m),
+            size_bytes=self.model.nbytes, quantization_level=served_quantization(self),
+            device=self.device.type, load_duration_s=self.load_duration_s,
+        )
+
     # ------------------------------------------- KV hand-off (disaggregated prefill)
     def export_kv(self, token_ids: Sequence[int]) -> KVBlocks:
         """token_ids' cached prefix copied out (kv_handoff.export_kv). Engine
@@ -464,6 +500,36 @@ class LLMEngine:
         """The request leaves the scheduler, its blocks and its block-table row."""
         self.scheduler.finish_request(req, status)
         self.runner.remove_request(req.request_id)
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """From the config (not the tensors), so a quantized layout does not change it."""
+    h, v, inter, d = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size, cfg.head_dim
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    per_layer = (
+        h * (heads + 2 * kv) * d  # q, k, v
+        + heads * d * h  # o
+        + 3 * h * inter  # gate, up, down
+        + 2 * h  # norms
+    )
+    if cfg.attention_bias:
+        per_layer += (heads + 2 * kv) * d
+    if cfg.qk_norm:
+        per_layer += 2 * d
+    embed = v * h
+    head = 0 if cfg.tie_word_embeddings else v * h
+    return embed + cfg.num_hidden_layers * per_layer + h + head
+
+
+def served_quantization(engine: LLMEngine) -> str:
+    """The format holding most of the layer matmuls' bytes, as served (a Q4_K_M
+    file's few Q6_K matrices run as int8 beside its int4 majority)."""
+    by_level: dict[str, int] = {}
+    for layer in engine.model.layers:
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            level = quantization_level(lin)
+            by_level[level] = by_level.get(level, 0) + lin.nbytes
+    return max(by_level, key=by_level.__getitem__)
 
 
 def _check_max_model_len(config: EngineConfig, cfg: ModelConfig) -> None:

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine.client import served_quantization
-from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.llm_engine import LLMEngine, served_quantization
 from tandem.model.linear import DenseLinear, Int4Linear, Int8Linear
 from tandem.sampling_params import SamplingParams
 
