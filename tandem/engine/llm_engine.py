@@ -2,7 +2,7 @@
 
     scheduler.schedule()           -> SchedulerOutput  (who runs, how many tokens)
     model_runner.execute(...)      -> sampled ids      (one forward, one host sync)
-    self._update(...)              -> RequestOutputs   (append, stop checks, free)
+    self._append_token(...)        -> EngineCoreOutputs (append, stop checks, free)
 
 Not thread-safe: AsyncEngine drives it from one background thread.
 """
@@ -28,6 +28,8 @@ from tandem.engine.client import EngineStats, ModelInfo, served_model_path
 from tandem.engine.kv_handoff import KVBlocks
 from tandem.engine.kv_sizing import (
     KVLayout,
+    PoolSize,
+    StepBudgets,
     check_pool_before_load,
     cuda_kv_budget,
     kv_layout,
@@ -111,18 +113,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(t for t in ends if t is not None)
         self.load_duration_s = time.monotonic() - t0
 
-        # The KV pool: the step's token budgets (measured on the loaded model on
-        # CPU), the bytes (a GPU's after a warm-up step), then its blocks.
-        steps = step_budgets(c.max_num_batched_tokens, self.device.type, self._step_cost,
-                             c.max_num_seqs, self.model_config.max_position_embeddings)
-        size = size_pool(
-            layout, set_bytes if set_bytes is not None else self._cuda_kv_budget(
-                steps.max_num_batched_tokens), max_len, steps,
-            chunked_prefill=c.enable_chunked_prefill, fixed_len=c.max_model_len is not None,
-            fixed_batched=c.max_num_batched_tokens is not None,
-            budget_flag="--kv-cache-memory" if set_bytes is not None
-            else "--gpu-memory-utilization")
-        log_pool(layout, size, c.max_num_seqs)
+        # The KV pool: its size, then its caches.
+        steps, size = self._size_kv_pool(layout, set_bytes, max_len)
         self.kv_groups = layout.groups
         self.kv_bytes_per_token = layout.bytes_per_token
         self.kv_pool_tokens = layout.pool_tokens(size.num_blocks)
@@ -167,6 +159,25 @@ class LLMEngine:
                                                                      cfg.head_dim),
             [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)], c.block_size, max_len,
             not c.disable_hybrid_kv_cache_manager)
+
+    def _size_kv_pool(self, layout: KVLayout, set_bytes: int | None,
+                      max_len: int) -> tuple[StepBudgets, PoolSize]:
+        """The step's token budgets (on CPU measured on the loaded model), the
+        pool's bytes (``set_bytes``, or a GPU's after a warm-up step), then its
+        blocks and the context they hold."""
+        c = self.config
+        steps = step_budgets(c.max_num_batched_tokens, self.device.type, self._step_cost,
+                             c.max_num_seqs, self.model_config.max_position_embeddings)
+        budget = set_bytes if set_bytes is not None else self._cuda_kv_budget(
+            steps.max_num_batched_tokens)
+        size = size_pool(
+            layout, budget, max_len, steps, chunked_prefill=c.enable_chunked_prefill,
+            fixed_len=c.max_model_len is not None,
+            fixed_batched=c.max_num_batched_tokens is not None,
+            budget_flag="--kv-cache-memory" if set_bytes is not None
+            else "--gpu-memory-utilization")
+        log_pool(layout, size, c.max_num_seqs)
+        return steps, size
 
     def _step_cost(self, num_tokens: int) -> float:
         """Seconds of one num_tokens prefill: the CPU token budgets' probe."""
