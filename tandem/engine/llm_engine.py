@@ -9,22 +9,20 @@ Not thread-safe: AsyncEngine drives it from one background thread.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import numbers
 import time
 from collections.abc import Sequence
 
 import torch
 
 from tandem.config import EngineConfig, host_memory, resolve_dtype
-from tandem.core.detokenizer import IncrementalDetokenizer
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.output_processor import EngineCoreOutput, process_output
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler import Scheduler
 from tandem.engine import kv_handoff
 from tandem.engine.client import EngineStats, ModelInfo, served_model_path
+from tandem.engine.input_processor import InputProcessor
 from tandem.engine.kv_handoff import KVBlocks
 from tandem.engine.kv_sizing import (
     KVLayout,
@@ -46,7 +44,7 @@ from tandem.model.linear import quantization_level
 from tandem.model.llama import ModelConfig
 from tandem.model.loader import load_model, read_hf_config, resolve_model
 from tandem.outputs import RequestOutput
-from tandem.sampling_params import SamplingParams, checked_params
+from tandem.sampling_params import SamplingParams
 from tandem.tokenizer import Tokenizer
 from tandem.worker.model_runner import ModelRunner, allocate_kv_caches
 from tandem.worker.structured_output import GrammarFailedError, StructuredOutputManager
@@ -142,7 +140,9 @@ class LLMEngine:
                                   c.max_num_seqs, size.max_model_len, layout.groups, c.seed,
                                   self.structured_output)
 
-        self._ids = itertools.count()
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
+                                              self.max_model_len, self.device,
+                                              self.structured_output)
         self.requests: dict[str, Request] = {}
         # Engine-level counters for the metrics endpoint.
         self.num_prompt_tokens_total = 0
@@ -275,67 +275,8 @@ class LLMEngine:
         request_id: str | None = None,
         arrival_time: float | None = None,
     ) -> Request:
-        """Validate and tokenize; touches no engine state (safe from any thread)."""
-        params = checked_params(params)
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass token ids")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
-            raise ValueError(f"a prompt is text or a list of token ids, got "
-                             f"{type(prompt).__name__}")
-        else:
-            if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) for t in prompt):
-                raise ValueError("prompt token ids must be integers")
-            ids = [int(t) for t in prompt]  # numpy's integers too
-            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt token id {bad[0]} is outside the vocabulary "
-                    f"[0, {self.model_config.vocab_size})"
-                )
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if params.n != 1:  # LLM.generate and the server fan out (SamplingParams.fan_out)
-            raise ValueError("an engine request is one sequence (n=1): fan n out with "
-                             "SamplingParams.fan_out()")
-        room = self.max_model_len - len(ids)
-        max_tokens = room if params.max_tokens is None else params.max_tokens
-        if max_tokens > room or (room < 1 and params.max_tokens != 0):  # 0: the prompt alone
-            want = 0 if params.max_tokens == 0 else max(max_tokens, 1)
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{len(ids) + want} were requested ({len(ids)} in the prompt, "
-                f"{want} for the completion); shorten the prompt or lower max_tokens"
-            )
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(
-                self.tokenizer.backend,
-                stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-                skip_special_tokens=params.skip_special_tokens,
-                prompt_token_ids=ids,
-                min_tokens=params.min_tokens,
-            )
-        elif params.stop:
-            raise ValueError("stop strings need a tokenizer")
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        grammar = None
-        if params.structured_outputs is not None:
-            if self.structured_output is None:
-                raise ValueError("structured_outputs need the model's tokenizer (the engine "
-                                 "was started with skip_tokenizer_init)")
-            grammar = self.structured_output.new_request(params.structured_outputs)
-        req = Request(rid, ids, params, max_tokens, generator, detok, arrival_time)
-        req.structured_output_request = grammar
-        req.prompt = prompt if isinstance(prompt, str) else None
-        return req
+        """Validate and tokenize (InputProcessor); safe from any thread."""
+        return self.input_processor.make_request(prompt, params, request_id, arrival_time)
 
     def add_request(
         self,
