@@ -29,7 +29,7 @@ DTYPE_SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 def resolve_dtype(dtype: str, device_type: str) -> str:
     """The engine's compute dtype ("float32", "bfloat16" or "float16") for --dtype
-    on a device: auto is float32 on CPU (bf16 matmuls are ~50x slower than fp32 on
+    on a device: auto is float32 on CPU (bf16 matmuls are far slower than fp32 on
     CPUs without AMX), bfloat16 on CUDA."""
     if dtype != "auto":
         return dtype
@@ -115,10 +115,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, device_type: str, compute_dtype:
     stores 16-bit floats: half the bytes, so twice the tokens fit in the pool
     and decode attention reads half, at no measured quality cost (the eval
     text's NLL equal to 3 decimals, fp32 weights) and faster even at short
-    contexts (default model, 16 streams x 128-token prompts: 782 -> 897 decode
-    tok/s on a 2-vCPU Zen 4). bf16 where the CPU multiplies it (AVX512_BF16):
-    prefill attention 1.4-1.6x the fp16 cache's (a 4000-token prompt on a
-    1.66B Q4_0: 32.4-34.0 -> 27.7-29.8 s), decode alike; fp16 (llama.cpp's and
+    contexts. bf16 where the CPU multiplies it (AVX512_BF16): its prefill and
+    decode attention are faster than the fp16 cache's; fp16 (llama.cpp's and
     Ollama's default cache) elsewhere.
 
     ``cpu_bf16``: whether the CPU kernels in use multiply bf16, which the
@@ -369,8 +367,8 @@ class EngineConfig:
         if self.num_threads is None:
             self.num_threads = default_threads()
         elif self.num_threads > available_cpus():
-            # Kept (an operator may know better), but said: 1000 threads on 2 CPUs
-            # made a 1-token step 1.2 s against 4-45 ms.
+            # Kept (an operator may know better), but said: threads past the CPUs
+            # wait on each other, which makes every step many times slower.
             logging.getLogger(__name__).warning(
                 "--threads %d exceeds the %d CPUs this process may use: threads will "
                 "wait on each other's cores every step", self.num_threads, available_cpus())

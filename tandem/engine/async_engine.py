@@ -53,8 +53,8 @@ class AsyncEngine:
 
         Every parallel torch op should run on one thread: when a second thread
         starts OpenMP teams of its own, libgomp sees more threads than cores and
-        stops spin-waiting between ops, which halved decode speed here
-        (39 -> 20 tok/s at batch 1). So the engine is built where it runs.
+        stops spin-waiting between ops, which halves decode speed. So the
+        engine is built where it runs.
         Construction errors (bad flags, missing model) are re-raised here.
         """
         self._cond = threading.Condition()
@@ -115,7 +115,7 @@ class AsyncEngine:
         if isinstance(prompt, Request):
             req = prompt
         elif params is not None and params.structured_outputs is not None:
-            # Compiling a grammar can take a while (~1 s for a huge one): off the loop.
+            # Compiling a grammar can take a while (a huge one): off the loop.
             req = await asyncio.get_running_loop().run_in_executor(
                 None, self.engine.make_request, prompt, params, request_id)
         else:

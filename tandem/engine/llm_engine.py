@@ -206,12 +206,9 @@ class LLMEngine:
         thread of its own right after start-up), contents kept.
 
         Left to fault in as blocks are first handed out, the pool's pages were
-        committed mid-serving: 24 huge pages in one step (one per layer)
-        whenever new blocks reached fresh ones, and that step took ~120 ms
-        longer, at the same step numbers run after run (a 1.66B Q8_0 in a VM
-        whose host backs memory on first touch; 16 streams of 128 + 128
-        tokens in process: ITL p99 367-431 -> 252 ms with the pool committed
-        first). 2 GiB took 3-5 s there. A pool that would leave less than
+        committed mid-serving: a huge page per layer in the step whose new
+        blocks reached fresh ones, which made that step slower (a host that
+        backs memory on first touch). A pool that would leave less than
         KV_COMMIT_HEADROOM of memory free (checked before each chunk, so two
         engines starting together do not both take the last of it) is left to
         fault in as it fills, which is all it did before.

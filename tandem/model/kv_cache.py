@@ -32,8 +32,7 @@ from tandem.model.hugepages import Allocator, HugePageArena
 def kv_zeros(device: torch.device) -> Allocator:
     """Allocator of a pool's zeroed tensors: on CPU in huge pages (fresh anonymous
     memory is zero), where decode attention, which reads a sequence's blocks
-    from all over the pool, ran ~6% faster (16 sequences x 256 tokens, 24
-    layers: 20.5 -> 19.2 ms on a 2-vCPU Zen 4). Their pages are committed as
+    from all over the pool, runs faster. Their pages are committed as
     they are first written, or ahead of that by ``LLMEngine.commit_kv_pool``."""
     if device.type == "cpu":
         return HugePageArena().empty
@@ -62,7 +61,7 @@ class DenseKVCache:
         self.data.index_copy_(0, slots, kv.to(self.data.dtype))
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
-        """[N] slots -> [N, 2, Hkv, D] in the engine's dtype (index_select: ~15x
+        """[N] slots -> [N, 2, Hkv, D] in the engine's dtype (index_select: far
         cheaper per call than [])."""
         return self.data.index_select(0, slots).to(self.dtype)
 
