@@ -15,7 +15,6 @@ from typing import Protocol, runtime_checkable
 
 from tandem.core.request import Request, RequestStatus
 from tandem.outputs import RequestOutput
-from tandem.paths import default_model_path
 from tandem.sampling_params import SamplingParams
 from tandem.tokenizer import Tokenizer
 
@@ -136,8 +135,3 @@ class ReplicaSet(Protocol):
     def replica_stats(self) -> dict[str, EngineStats | None]:
         """Each replica's last snapshot by name, in a fixed order (None: not yet seen)."""
         ...
-
-
-def served_model_path(source: str | None) -> str:
-    """ModelInfo.model_path of what --model named: None is the embedded default's GGUF."""
-    return str(default_model_path() if source is None else source)

@@ -21,7 +21,7 @@ from tandem.core.output_processor import EngineCoreOutput, process_output
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler import Scheduler
 from tandem.engine import kv_handoff
-from tandem.engine.client import EngineStats, ModelInfo, served_model_path
+from tandem.engine.client import EngineStats, ModelInfo
 from tandem.engine.input_processor import InputProcessor
 from tandem.engine.kv_handoff import KVBlocks
 from tandem.engine.kv_sizing import (
@@ -44,6 +44,7 @@ from tandem.model.linear import quantization_level
 from tandem.model.llama import ModelConfig
 from tandem.model.loader import load_model, read_hf_config, resolve_model
 from tandem.outputs import RequestOutput
+from tandem.paths import default_model_path
 from tandem.sampling_params import SamplingParams
 from tandem.tokenizer import Tokenizer
 from tandem.worker.model_runner import ModelRunner, allocate_kv_caches
@@ -333,7 +334,8 @@ class LLMEngine:
         """The served model as the client contract describes it."""
         c, m = self.config, self.model_config
         return ModelInfo(
-            source=c.model, model_path=served_model_path(c.model), model_dir=str(self.model_dir),
+            source=c.model, model_dir=str(self.model_dir),
+            model_path=str(default_model_path() if c.model is None else c.model),
             load_format=c.load_format, architecture=m.architecture, vocab_size=m.vocab_size,
             hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
             num_attention_heads=m.num_attention_heads,
