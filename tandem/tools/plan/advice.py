@@ -3,13 +3,13 @@ cut: the cheaper settings re-planned, each with the slots it would give."""
 
 from __future__ import annotations
 
-import bisect
-import functools
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tandem.tools.plan.arithmetic import KV8_DTYPES, READABLE_TOK_S, kv_groups
+from tandem.diagnosis.thresholds import READABLE_TOK_S
+from tandem.engine.kv_sizing import longest_context
+from tandem.tools.plan.arithmetic import KV8_DTYPES, kv_groups
 from tandem.tools.plan.text import gb, plural
 
 if TYPE_CHECKING:
@@ -139,10 +139,9 @@ def _notes(p: Plan) -> None:
 def _longest_context(p: Plan, slots: int) -> int:
     """The longest context of which ``slots`` conversations fit the pool, in
     whole blocks (0 when none does)."""
-    blocks_for = functools.partial(kv_groups(p.model, p.context).blocks_for,
-                                   block_size=p.block_size, chunk=p.max_num_batched_tokens)
-    tokens = bisect.bisect_right(range(p.cache_blocks * p.block_size + 1), p.cache_blocks // slots,
-                                 key=blocks_for) - 1
+    tokens = longest_context(kv_groups(p.model, p.context), p.block_size,
+                             p.max_num_batched_tokens, p.cache_blocks // slots,
+                             p.cache_blocks * p.block_size)
     return tokens // p.block_size * p.block_size
 
 

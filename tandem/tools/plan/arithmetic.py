@@ -49,7 +49,6 @@ from dataclasses import dataclass
 from tandem.config import DTYPE_SHORT_NAMES, EngineConfig, resolve_kv_cache_dtype
 from tandem.config import resolve_dtype as resolve_engine_dtype
 from tandem.core.kv_cache_manager import KVCacheGroups, group_layers
-from tandem.diagnosis.thresholds import READABLE_TOK_S as READABLE_TOK_S  # capacity.py warns by it
 from tandem.tools.plan.devices import GiB
 from tandem.tools.plan.presets import ModelSpec
 
