@@ -254,13 +254,13 @@ def test_named_function_yields_that_function_streamed_and_not(client):
     for seed in range(3):
         r = client.chat.completions.create(**kwargs, seed=seed, **HOT)
         assert len(r.choices[0].message.tool_calls) == 1
-        assert r.choices[0].finish_reason == "tool_calls"
+        assert r.choices[0].finish_reason == "stop"  # OpenAI's, for a named choice
         assert_valid_calls(r.choices[0].message.tool_calls, names=("get_time",))
     # greedy: the stream carries the same call as the whole response
     whole = client.chat.completions.create(**kwargs, temperature=0).choices[0].message
     streamed, finish, _ = streamed_calls(client.chat.completions.create(
         **kwargs, temperature=0, stream=True))
-    assert finish == "tool_calls" and list(streamed) == [0]
+    assert finish == "stop" and list(streamed) == [0]
     assert streamed[0]["name"] == "get_time"
     assert streamed[0]["arguments"] == whole.tool_calls[0].function.arguments
     # the SDK's own accumulator assembles the same call from the chunks
@@ -468,6 +468,31 @@ def test_ollama_tool_result_round_trip(ollama_client):
     again = ollama_client.chat(model="smollm2", messages=messages, tools=TOOLS,
                                options={"temperature": 0, "num_predict": 30})
     assert again.message.content == r.message.content
+
+
+def test_ollama_loop_replays_its_own_history(real_server):
+    """/api/chat's own assistant messages go back as the agent appends them: a whole call
+    (with its id and index), and one cut by num_predict; arguments as a string stay a 400,
+    as Ollama's (its arguments are objects)."""
+    def chat(messages: list[dict], num_predict: int) -> httpx.Response:
+        return httpx.post(f"{real_server.url}/api/chat", headers=real_server.headers,
+                          timeout=60, json={"model": "smollm2", "messages": messages,
+                                            "tools": TOOLS, "stream": False,
+                                            "options": {"temperature": 0,
+                                                        "num_predict": num_predict}})
+
+    for num_predict in (60, 12):  # 12: cut inside the call's arguments
+        r = chat(HISTORY, num_predict)
+        assert r.status_code == 200, r.text
+        message = r.json()["message"]
+        assert r.json()["done_reason"] == ("stop" if num_predict == 60 else "length")
+        result = {"role": "tool", "tool_name": "get_weather", "content": "12 C, rain"}
+        again = chat([*HISTORY, message, result], 8)
+        assert again.status_code == 200, again.text
+    bad = {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": '{"city": "Paris"'}}]}
+    r = chat([*HISTORY[:1], bad], 8)
+    assert r.status_code == 400 and "arguments" in r.json()["error"], r.text
 
 
 def test_ollama_malformed_tools_are_a_400(real_server):

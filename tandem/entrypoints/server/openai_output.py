@@ -312,8 +312,11 @@ def tool_finish_reason(parser: ToolCallParser, reason: str | None,
     """A response that called tools ends with ``tool_calls`` unless it was cut short:
     by max_tokens (``length``), or a forced call by a stop string or stop token
     (``stop``): its arguments are unfinished, and an agent that reads
-    ``tool_calls`` parses them. A grammar that completes its calls ends on EOS."""
-    if reason != "stop" or (parser.forced and stop_reason is not None):
+    ``tool_calls`` parses them. A grammar that completes its calls ends on EOS. A
+    named tool choice ends with ``stop``, streamed or not, as OpenAI's does (and
+    vLLM's): the call was asked for, not chosen."""
+    if reason != "stop" or (parser.forced and stop_reason is not None) \
+            or parser.mode == "arguments":
         return reason
     return "tool_calls"
 
