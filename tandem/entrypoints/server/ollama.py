@@ -1,31 +1,15 @@
 """Ollama-compatible API: /api/generate, /api/chat, /api/tags, /api/show, /api/ps, /api/version.
 
-The final object of every generation carries Ollama's counters in integer
-nanoseconds, taken from the engine's own phase timings:
-
-* prompt_eval_count / prompt_eval_duration: prompt tokens actually computed
-  (a prefix-cache hit is not counted, as in Ollama) and the prefill time, so
-  their ratio is the real prefill speed;
-* eval_count / eval_duration: generated tokens and the decode time after the
-  first token, so (eval_count - 1) / eval_duration is the streaming speed;
-* total_duration: from the request's arrival to its last token, so
-  total - prompt_eval - eval is queueing plus server overhead;
-* load_duration: 0 — the model stays loaded, there is never a cold start.
-
-Streaming sends one NDJSON object per generated token, then Ollama's last
-object: ``done: true``, the counters and no text (a client may ignore a done
-object's content, as Open WebUI's did).
-A tool call arrives whole, in the object of the token that completes it, with
-its arguments as an object (Ollama's shape); its text is not sent as content.
+Here requests are read, checked and started; their replies, stream lines and
+counters are shaped in ollama_output.py.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from typing import TypeVar
 
@@ -41,8 +25,8 @@ from tandem.entrypoints.server.generation import (
     make_sampling_params,
     open_ended_max_tokens,
     start,
-    to_api_error,
 )
+from tandem.entrypoints.server.ollama_output import OllamaView, load_reply
 from tandem.entrypoints.server.protocol import (
     OllamaChatRequest,
     OllamaGenerateRequest,
@@ -51,7 +35,6 @@ from tandem.entrypoints.server.protocol import (
     OllamaShowRequest,
     keep_alive_seconds,
 )
-from tandem.entrypoints.server.reasoning import ReasoningParser
 from tandem.entrypoints.server.state import ServerState
 from tandem.entrypoints.server.streaming import ClosingStreamingResponse, unless_disconnected
 from tandem.entrypoints.server.structured import (
@@ -61,8 +44,6 @@ from tandem.entrypoints.server.structured import (
     plan_tools,
     template_messages,
 )
-from tandem.entrypoints.server.tool_parsers import ToolCall, ToolCallParser, is_json_object
-from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -80,10 +61,6 @@ N = TypeVar("N", OllamaShowRequest, OllamaPullRequest)
 
 def _state(request: Request) -> ServerState:
     return request.app.state.tandem
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def _modified(state: ServerState) -> str:
@@ -242,8 +219,7 @@ async def generate(request: Request):
     if req.raw and (req.system or req.context):
         raise bad_request("raw mode does not support template, system, or context")
     if not req.prompt and not req.context:  # Ollama's "load the model" request
-        return {"model": model, "created_at": _now(), "response": "", "done": True,
-                "done_reason": _load_reason(req)}
+        return load_reply(model, False, _load_reason(req))
     ids = list(req.context or [])
     prompt = req.prompt or ""
     if prompt:
@@ -264,9 +240,7 @@ async def chat(request: Request):
     req = await state.read(request, OllamaChatRequest)
     model, constraint = _check_common(state, req)
     if not req.messages:
-        return {"model": model, "created_at": _now(),
-                "message": {"role": "assistant", "content": ""}, "done": True,
-                "done_reason": _load_reason(req)}
+        return load_reply(model, True, _load_reason(req))
     plan = plan_tools(req.tools, None, True,
                       state.tokenizer.chat_template if req.tools else None)
     messages = []
@@ -421,7 +395,7 @@ async def _run(request: Request, state: ServerState,
         reasoner, constraint = state.reasoning_for(ids, constraint)
     params = _params(state, req.options, len(ids), k, constraint)
     gen = Generation(state, state.new_id("ollama-"), [ids], [params])
-    view = _View(state, model, gen, t0, chat, plan.parser() if plan else None, reasoner)
+    view = OllamaView(state, model, gen, t0, chat, plan.parser() if plan else None, reasoner)
     await start(request, gen, constraint)
     if req.stream:
         return ClosingStreamingResponse(view.lines(), gen.close,
@@ -431,117 +405,3 @@ async def _run(request: Request, state: ServerState,
     finally:
         gen.close()
     return JSONResponse(view.whole(outs[0]))
-
-
-class _View:
-    def __init__(self, state: ServerState, model: str, gen: Generation, t0: float, chat: bool,
-                 parser: ToolCallParser | None = None,
-                 reasoner: ReasoningParser | None = None) -> None:
-        self.state = state
-        self.model = model
-        self.gen = gen
-        self.t0 = t0
-        self.chat = chat
-        self._names = logprobs.TokenNames(state.engine.tokenizer)
-        self.parser = parser
-        self.reasoner = reasoner
-        self._sent_calls = 0  # tool calls already streamed
-
-    def _object(self, text: str, calls: list[ToolCall] | None = None, thinking: str = ""
-                ) -> dict:
-        obj: dict = {"model": self.model, "created_at": _now()}
-        if self.chat:
-            obj["message"] = {"role": "assistant", "content": text}
-            if thinking:  # omitted when empty, as Ollama's omitempty
-                obj["message"]["thinking"] = thinking
-            if calls:  # index: the call's place in the whole reply (a stream sends a few)
-                index = {c.id: i for i, c in enumerate(self.parser.calls)} if self.parser else {}
-                obj["message"]["tool_calls"] = [
-                    {"id": c.id, "function": {"index": index.get(c.id, i), "name": c.name,
-                                              "arguments": json.loads(c.arguments)}}
-                    for i, c in enumerate(calls)]
-        else:
-            obj["response"] = text
-            if thinking:
-                obj["thinking"] = thinking
-        obj["done"] = False
-        return obj
-
-    def _finish(self, obj: dict, final: RequestOutput) -> dict:
-        m = final.metrics
-        total = time.monotonic() - self.t0
-        obj.update({
-            "done": True,
-            "done_reason": final.finish_reason,
-            "total_duration": _ns(total),
-            "load_duration": 0,
-            "prompt_eval_count": m.num_prompt_tokens - m.num_cached_tokens if m else 0,
-            "prompt_eval_duration": _ns(m.prefill_s) if m else 0,
-            "eval_count": m.num_output_tokens if m else len(final.outputs[0].token_ids),
-            "eval_duration": _ns(m.decode_s) if m else 0,
-        })
-        if not self.chat:
-            obj["context"] = list(final.prompt_token_ids) + list(final.outputs[0].token_ids)
-        return obj
-
-    def _logprobs(self, outs: list[RequestOutput]) -> list[dict]:
-        k = self.gen.choices[0].params.logprobs or 0
-        text = self._names.text
-        return [{"token": text(t), "logprob": lp,
-                 "top_logprobs": [{"token": text(u), "logprob": v} for u, v in top]}
-                for t, lp, top in logprobs.entries(outs, k)]
-
-    def whole(self, outs: list[RequestOutput]) -> dict:
-        final = outs[-1]
-        text, calls, thinking = final.outputs[0].text, None, ""
-        if self.reasoner is not None:
-            thinking, text = self.reasoner.feed_outputs(outs)
-        if self.parser is not None:
-            self.parser.feed(text)
-            self.parser.finish()
-            content, calls = self.parser.result()  # the stream's content (see openai.py)
-            text = content or ""
-        obj = self._finish(self._object(text, calls, thinking), final)
-        if self.gen.choices[0].params.logprobs is not None:
-            obj["logprobs"] = self._logprobs(outs)
-        return obj
-
-    async def lines(self) -> AsyncIterator[bytes]:
-        want_lp = self.gen.choices[0].params.logprobs is not None
-        try:
-            async for _, out in self.gen:
-                text, calls, thinking = self._stream_step(out)
-                obj = self._object(text, calls, thinking)
-                if want_lp:
-                    obj["logprobs"] = self._logprobs([out])
-                if out.finished:
-                    if text or calls or thinking or obj.get("logprobs"):
-                        yield _line(obj)  # the last token's object, then the done one
-                        obj = self._object("")
-                    obj = self._finish(obj, out)
-                yield _line(obj)
-        except Exception as e:  # after the 200 went out: an error object ends the stream
-            yield _line(to_api_error(e).ollama_body())
-
-    def _stream_step(self, out: RequestOutput) -> tuple[str, list[ToolCall], str]:
-        """This token's content, the tool calls it completed (sent whole, as Ollama does)
-        and its thinking."""
-        text, thinking = out.delta_text, ""
-        if self.reasoner is not None:
-            thinking, text = self.reasoner.feed_output(out)
-        if self.parser is None:
-            return text, [], thinking
-        p = self.parser
-        deltas = p.feed(text) + (p.finish() if out.finished else [])
-        done = list(itertools.takewhile(lambda c: c.complete, p.calls[self._sent_calls:]))
-        self._sent_calls += len(done)
-        calls = [c for c in done if is_json_object(c.arguments)]
-        return "".join(d.content for d in deltas), calls, thinking
-
-
-def _ns(seconds: float) -> int:
-    return max(0, int(round(seconds * 1e9)))
-
-
-def _line(obj: dict) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
