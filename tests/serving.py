@@ -16,7 +16,7 @@ from typing import IO
 import httpx
 import uvicorn
 
-from tandem.entrypoints.server.app import uvicorn_config
+from tandem.entrypoints.server.run import uvicorn_config
 
 
 def serve_app(app, start_timeout: float = 30.0) -> tuple[str, Callable[[], None]]:

@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.command == "serve":
             from tandem.engine.async_engine import AsyncEngine
-            from tandem.entrypoints.server.app import serve
+            from tandem.entrypoints.server.run import serve
 
             config = engine_config_from_args(a)
             config.skip_tokenizer_init = a.skip_tokenizer_init

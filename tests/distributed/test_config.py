@@ -35,7 +35,7 @@ def test_roles():
 def test_serve_without_replicas_does_not_import_ray():
     code = ("import sys\n"
             "from tandem.entrypoints import cli\n"
-            "from tandem.entrypoints.server import app\n"
+            "from tandem.entrypoints.server import run\n"
             "from tandem.engine import async_engine\n"
             "a = cli.build_parser().parse_args(['serve'])\n"
             "assert cli.spec_from_args(a) is None\n"

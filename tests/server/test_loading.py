@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from tandem.entrypoints.cli import main
-from tandem.entrypoints.server.app import ServerConfig, build_app, run_server
+from tandem.entrypoints.server.app import ServerConfig, build_app
+from tandem.entrypoints.server.run import run_server
 from tests.server.conftest import tiny_engine
 from tests.serving import free_port, serve_app
 
@@ -174,7 +175,7 @@ def test_serve_with_a_bad_model_exits_2_with_the_message(capsys):
 def test_a_host_name_is_listened_on_at_every_address(monkeypatch):
     """``--host localhost`` where it names 127.0.0.1 and ::1: both are bound (bound to
     the first only, clients of the other were refused)."""
-    from tandem.entrypoints.server import app as server_app
+    from tandem.entrypoints.server import run as server_run
 
     try:
         with socket.socket(socket.AF_INET6) as probe:
@@ -185,8 +186,8 @@ def test_a_host_name_is_listened_on_at_every_address(monkeypatch):
     both = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port)),
             (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
             (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
-    monkeypatch.setattr(server_app.socket, "getaddrinfo", lambda *a, **k: both)
-    socks = server_app._listen("localhost", port)
+    monkeypatch.setattr(server_run.socket, "getaddrinfo", lambda *a, **k: both)
+    socks = server_run._listen("localhost", port)
     try:
         assert sorted(s.getsockname()[0] for s in socks) == ["127.0.0.1", "::1"]
     finally:
