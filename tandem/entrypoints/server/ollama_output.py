@@ -28,10 +28,11 @@ from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 
 from tandem.entrypoints.server import logprobs
+from tandem.entrypoints.server.call_scanner import ToolCall
 from tandem.entrypoints.server.generation import Generation, to_api_error
 from tandem.entrypoints.server.reasoning import ReasoningParser
 from tandem.entrypoints.server.state import ServerState
-from tandem.entrypoints.server.tool_parsers import ToolCall, ToolCallParser, is_json_object
+from tandem.entrypoints.server.tool_parsers import ToolCallParser, is_json_object
 from tandem.outputs import RequestOutput
 
 

@@ -15,12 +15,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from tandem.entrypoints.server import logprobs
+from tandem.entrypoints.server.call_scanner import Delta
 from tandem.entrypoints.server.generation import Generation, to_api_error
 from tandem.entrypoints.server.reasoning import ReasoningParser
 from tandem.entrypoints.server.state import ServerState
 from tandem.entrypoints.server.streaming import ClosingStreamingResponse
 from tandem.entrypoints.server.structured import ToolPlan
-from tandem.entrypoints.server.tool_parsers import Delta, ToolCallParser
+from tandem.entrypoints.server.tool_parsers import ToolCallParser
 from tandem.outputs import RequestMetrics, RequestOutput
 
 

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 
 from tandem.entrypoints.server import logprobs
 from tandem.entrypoints.server.auth import require_api_key
+from tandem.entrypoints.server.call_scanner import Delta
 from tandem.entrypoints.server.errors import bad_request, from_validation_error
 from tandem.entrypoints.server.generation import (
     Generation,
@@ -59,7 +60,7 @@ from tandem.entrypoints.server.structured import (
     plan_tools,
     template_messages,
 )
-from tandem.entrypoints.server.tool_parsers import Delta, ToolCallParser
+from tandem.entrypoints.server.tool_parsers import ToolCallParser
 from tandem.outputs import RequestOutput
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
