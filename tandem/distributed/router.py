@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tandem.core.kv_cache_manager import chain_block_hashes
+from tandem.core.kv_cache_utils import chain_block_hashes
 
 
 @dataclass

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.core.kv_cache_manager import KVCacheManager, chain_block_hashes
+from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.kv_cache_utils import chain_block_hashes
 from tandem.core.request import Request
 from tandem.distributed.router import PrefixRouter
 from tandem.sampling_params import SamplingParams
