@@ -26,17 +26,18 @@ Prefix caching (vLLM's automatic prefix caching):
 
 Sliding-window groups (vLLM's hybrid KV cache manager): in a model that mixes
 full-attention layers with layers that see only their last W keys (Gemma 2 and
-3), the layers are split into groups of equally many (``group_layers``), each
-group with a block table of its own over the one pool; a block holds one
-group's layers. Group 0 and the other full-attention groups keep every block
-of a request; a window group releases the blocks that slid out of its window
-for every query to come (``NULL_BLOCK`` takes their place), so a long request
-holds ~W tokens of those layers, not its whole context. A window group's block
-is only a prefix-cache hit when the full-attention block at its index is
-(checked as above) and is the very block it was registered beside (its id and
-``generation``, bumped on every reuse): so a window block holds exactly the
-KV of the prefix the group-0 chain checked. A hit needs the window groups'
-blocks of the W - 1 keys before the hit, not the ones before.
+3), the layers are split into groups of equally many
+(kv_cache_utils.group_layers), each group with a block table of its own over
+the one pool; a block holds one group's layers. Group 0 and the other
+full-attention groups keep every block of a request; a window group releases
+the blocks that slid out of its window for every query to come (``NULL_BLOCK``
+takes their place), so a long request holds ~W tokens of those layers, not its
+whole context. A window group's block is only a prefix-cache hit when the
+full-attention block at its index is (checked as above) and is the very block
+it was registered beside (its id and ``generation``, bumped on every reuse): so
+a window block holds exactly the KV of the prefix the group-0 chain checked. A
+hit needs the window groups' blocks of the W - 1 keys before the hit, not the
+ones before.
 
 Invariant (tests assert it): once no request holds blocks, every ref count is 0
 and every block is in the free list.
@@ -60,70 +61,6 @@ from tandem.core.request import Request
 logger = logging.getLogger(__name__)
 
 NULL_BLOCK = -1  # a window group's entry for a block that slid out of its window
-MAX_KV_GROUPS = 8  # more block tables cost each step more host work than padding saves
-
-
-@dataclass(frozen=True)
-class KVCacheGroups:
-    """How the layers share the pool: ``windows[g]`` is group g's window in keys
-    (0: full attention; group 0 always is), ``layer_group[l]`` / ``layer_slot[l]``
-    layer l's group and its place in the group's ``group_size`` layers. A pool
-    block holds one group's layers, so it is ``group_size`` layers' KV; a
-    group with fewer layers leaves the rest of its blocks unused."""
-
-    group_size: int
-    windows: tuple[int, ...]
-    layer_group: tuple[int, ...]
-    layer_slot: tuple[int, ...]
-
-    @property
-    def hybrid(self) -> bool:
-        return len(self.windows) > 1
-
-    def blocks_for(self, num_tokens: int, block_size: int, chunk: int) -> int:
-        """Pool blocks one request of num_tokens holds at most, its steps
-        computing up to ``chunk`` tokens: a window group keeps the blocks of
-        its last W - 1 keys and of the chunk being computed."""
-        n = -(-num_tokens // block_size)
-        return sum(n if not w else min(n, -(-(w - 1 + chunk) // block_size) + 1)
-                   for w in self.windows)
-
-
-def group_layers(layer_windows: Sequence[int], hybrid: bool = True,
-                 max_len: int | None = None) -> KVCacheGroups:
-    """Split the layers into KV cache groups by window. One group of every layer
-    (no block released) unless ``hybrid`` and the model mixes full-attention
-    layers with windowed ones: a group of windowed layers only saves memory
-    beside a full-attention group 0 to check its prefix hits against. A window
-    no shorter than ``max_len`` (the longest context) hides no key: such a
-    layer groups as a full-attention one. The
-    group size pads the fewest layers with at most MAX_KV_GROUPS groups
-    (Gemma 3 1B's 4 full and 22 windowed layers: 7 groups of 4)."""
-    if max_len is not None:
-        layer_windows = [w if w < max_len else 0 for w in layer_windows]
-    n = len(layer_windows)
-    one = KVCacheGroups(n, (0,), (0,) * n, tuple(range(n)))
-    kinds = sorted(set(layer_windows))
-    if not hybrid or len(kinds) == 1 or kinds[0] != 0:
-        return one
-    members = [[i for i, w in enumerate(layer_windows) if w == k] for k in kinds]
-
-    def cost(size: int) -> tuple[int, int]:  # (padded layers, groups)
-        groups = sum(-(-len(m) // size) for m in members)
-        return groups * size, groups
-
-    size = min((s for s in range(1, min(map(len, members)) + 1)
-                if cost(s)[1] <= MAX_KV_GROUPS), key=lambda s: (cost(s), -s), default=None)
-    if size is None:
-        return one
-    windows: list[int] = []
-    group, slot = [0] * n, [0] * n
-    for k, m in zip(kinds, members):
-        for j, layer in enumerate(m):
-            if j % size == 0:
-                windows.append(k)
-            group[layer], slot[layer] = len(windows) - 1, j % size
-    return KVCacheGroups(size, tuple(windows), tuple(group), tuple(slot))
 
 
 @dataclass

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.core.kv_cache_manager import KVCacheGroups, KVCacheManager
+from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.kv_cache_utils import KVCacheGroups
 from tandem.model.kv_cache import KVCache
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tandem.config import format_bytes
-from tandem.core.kv_cache_manager import KVCacheGroups, group_layers
+from tandem.core.kv_cache_utils import KVCacheGroups, group_layers
 from tandem.engine.token_budget import cpu_token_budgets
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ Rebuilding that from the requests' Python lists every step costs O(batch x
 context). Here each request holds a row while it runs, and a step copies only
 the block ids allocated since the last one, O(batch + new blocks).
 
-Each KV cache group (tandem.core.kv_cache_manager.KVCacheGroups) has a table
+Each KV cache group (tandem.core.kv_cache_utils.KVCacheGroups) has a table
 of its own; every group's block list is as long as group 0's.
 
 Invariant: a request's row holds exactly its ``block_ids`` (and each group's

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.core.kv_cache_manager import KVCacheGroups
+from tandem.core.kv_cache_utils import KVCacheGroups
 from tandem.core.request import Request
 from tandem.core.scheduler import SchedulerOutput
 from tandem.model.attention import AttentionMetadata, build_groups

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tandem.core.kv_cache_manager import NULL_BLOCK, KVCacheManager, group_layers
-from tandem.core.kv_cache_utils import hash_block_tokens
+from tandem.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
+from tandem.core.kv_cache_utils import group_layers, hash_block_tokens
 from tandem.core.request import Request
 from tandem.sampling_params import SamplingParams
 

@@ -31,7 +31,7 @@ with the numbers filled in and checked by hand. Stated assumptions:
 * Cache is allocated in blocks of 16 tokens (tandem's default), and a
   full-context conversation holds ceil(context / 16) blocks. A model that
   mixes full-attention and sliding-window layers (Gemma 2/3) splits them into
-  the engine's KV cache groups (tandem.core.kv_cache_manager.group_layers): a
+  the engine's KV cache groups (tandem.core.kv_cache_utils.group_layers): a
   block is 16 tokens of one group's layers, and a windowed group holds only
   its window and one step's chunk (``KVCacheGroups.blocks_for``), as
   tandem's, vLLM's and llama.cpp's caches do.
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 from tandem.config import DTYPE_SHORT_NAMES, EngineConfig, resolve_kv_cache_dtype
 from tandem.config import resolve_dtype as resolve_engine_dtype
-from tandem.core.kv_cache_manager import KVCacheGroups, group_layers
+from tandem.core.kv_cache_utils import KVCacheGroups, group_layers
 from tandem.tools.plan.devices import GiB
 from tandem.tools.plan.presets import ModelSpec
 
