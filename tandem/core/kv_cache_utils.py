@@ -6,9 +6,9 @@ group's window).
 
 A *full* block is identified by a chained hash: hash((parent_hash, its token
 ids)). Python's ``hash`` of a tuple of ints is fast (C), 64-bit, and stable
-across processes (only str/bytes hashing is salted), so it costs ~1 µs per
-16 tokens on the scheduling path. A hash is only a lookup key: the manager
-checks every hit (kv_cache_manager).
+across processes (only str/bytes hashing is salted), so it is cheap on the
+scheduling path. A hash is only a lookup key: the manager checks every hit
+(kv_cache_manager).
 """
 
 from __future__ import annotations

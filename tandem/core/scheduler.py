@@ -206,10 +206,9 @@ class Scheduler:
         has max(1, tokens // 2) first (so the head, older than every request
         admitted past it, is never starved), then fewest tokens left first.
         Fewest-left-first ends the most prompts soonest: chunking one prompt at
-        a time, a 40-token request waited 35 s behind a 3,000-token prompt
-        beside a decoding stream (1.66B model, 2 vCPUs), and a long prompt at
-        the head of the queue held every short one behind it. O(running +
-        waiting) on steps with a prompt in progress.
+        a time, a short request waited out a long prompt's whole prefill, and a
+        long prompt at the head of the queue held every short one behind it.
+        O(running + waiting) on steps with a prompt in progress.
         """
         # Every step pays this line (inlined, no call per request); the rest only
         # steps with a prompt in progress.

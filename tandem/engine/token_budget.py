@@ -30,12 +30,12 @@ def cpu_token_budgets(cost: Callable[[int], float], max_num_seqs: int,
     costs at most the decodes plus ITL_BOUND - 1 single-stream steps. Steps
     with only prompts delay nobody; their budget makes reading the weights at
     most 1 / PREFILL_READ_SHARE of the step, and the total leaves room for
-    every sequence to decode beside a capped chunk. A fixed 128 tuned on a
-    135M model made a 1.2B model's chunk stall every stream ~1 s.
+    every sequence to decode beside a capped chunk. A fixed chunk tuned on a
+    small model stalls every stream of a larger one.
 
     A neighbour's burst during the probes skews them: 1-token probes slowed
-    while a longer one ran quiet once read c as ~0 and gave a 2,048-token chunk
-    that stalled every stream 16 s. So the two sizes alternate (each keeps its
+    while a longer one ran quiet once read c as ~0 and gave the largest chunk,
+    which stalled every stream. So the two sizes alternate (each keeps its
     quickest run), a longer probe is never taken as quicker than a 1-token one,
     and the chunk found is run once: costing more than half again what c
     predicts, its own time gives c.
@@ -72,19 +72,19 @@ class ChunkTuner:
 
     The start-up probe prices a chunk from position 0 on the per-op path. A
     chunk deep in a long prompt also attends to every key before it, and a
-    decode beside it leaves the one-call decode step: the 1.66B Q4_0 beside a
-    3,000-token prompt took a median 162 ms a step (max 213) against 23.7 ms
-    alone. So each mixed step's time above the decodes' (an average of
-    decode-only steps with as many decodes) prices its prompt tokens again, and
-    the cap moves half way to what the bound allows at that price.
+    decode beside it leaves the one-call decode step: such a step costs far
+    more than the probe predicts. So each mixed step's time above the
+    decodes' (an average of decode-only steps with as many decodes) prices
+    its prompt tokens again, and the cap moves half way to what the bound
+    allows at that price.
 
     A count of decodes never timed alone (under a steady load a prompt is
     always waiting, so the decode-only steps seen may have other counts, or
     none) is priced from the probe: a 1-token step plus ``per_token`` a further
-    row, scaled to the nearest count timed. Priced as the 1-token step, 16
-    streams' decodes read as the prompt's cost, and the cap fell to 5 tokens
-    (a 1.2B Q4_0 served 16 streams with TTFT p50 5.0 s). O(1) per step, or
-    O(counts timed) for one never timed.
+    row, scaled to the nearest count timed. Priced as the 1-token step, many
+    streams' decodes read as the prompt's cost, and the cap fell to a few
+    tokens, starving the prompts. O(1) per step, or O(counts timed) for one
+    never timed.
     """
 
     def __init__(self, cap: int, decode_s: float, most: int, per_token: float = 0.0) -> None:
