@@ -29,7 +29,7 @@ from tandem.model.gguf import convert as gguf_convert
 from tandem.model.gguf import weights as gguf_weights
 from tandem.model.linear import quantize_int8_groups
 from tandem.tokenizer import Tokenizer
-from tandem.tools.plan.presets import load_model
+from tandem.tools.plan.readers import load_model
 
 SAMPLES = [
     "Hello world",

@@ -115,7 +115,7 @@ def test_kv_hand_off_needs_one_group(gemma3):
 def test_plan_engine_check_counts_the_pool_by_groups(gemma3):
     from tandem.tools.plan.arithmetic import kv_groups
     from tandem.tools.plan.engine_check import check_engine
-    from tandem.tools.plan.presets import load_model
+    from tandem.tools.plan.readers import load_model
 
     _, path = gemma3
     chk = check_engine(str(path), kv_cache_memory=2**20, kv_cache_dtype="fp32")

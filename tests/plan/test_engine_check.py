@@ -16,7 +16,7 @@ from tandem.entrypoints.cli import main
 from tandem.model.kv_cache import Fp16KVCache, Fp32KVCache, Int8KVCache
 from tandem.tools.plan import capacity as cap
 from tandem.tools.plan.engine_check import check_engine, compare, format_check
-from tandem.tools.plan.presets import load_model
+from tandem.tools.plan.readers import load_model
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 96])

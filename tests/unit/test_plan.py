@@ -18,7 +18,8 @@ from tandem.tools.plan import arithmetic as ar
 from tandem.tools.plan import capacity as cap
 from tandem.tools.plan.cli import main, parse_bytes, register
 from tandem.tools.plan.devices import DEVICES, Device, GiB, host_memory, measure_read_bandwidth
-from tandem.tools.plan.presets import PRESETS, load_model, spec_from_hf_config
+from tandem.tools.plan.presets import PRESETS
+from tandem.tools.plan.readers import load_model, spec_from_hf_config
 from tandem.tools.plan.report import format_report
 
 GGUF = os.path.join(

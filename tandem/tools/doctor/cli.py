@@ -28,7 +28,8 @@ from tandem.tools.doctor.report import format_report
 from tandem.tools.plan.arithmetic import WEIGHT_DTYPES, weight_bytes
 from tandem.tools.plan.cli import PlanInputError, parse_bytes
 from tandem.tools.plan.devices import DEVICES, get_device
-from tandem.tools.plan.presets import PRESETS, load_model
+from tandem.tools.plan.presets import PRESETS
+from tandem.tools.plan.readers import load_model
 
 DESCRIPTION = (
     "Diagnose a running LLM server (tandem, vLLM, llama-server, Ollama): a few bounded probes "

@@ -50,7 +50,7 @@ from tandem.config import DTYPE_SHORT_NAMES, EngineConfig, resolve_kv_cache_dtyp
 from tandem.config import resolve_dtype as resolve_engine_dtype
 from tandem.core.kv_cache_utils import KVCacheGroups, group_layers
 from tandem.tools.plan.devices import GiB
-from tandem.tools.plan.presets import ModelSpec
+from tandem.tools.plan.model_spec import ModelSpec
 
 WEIGHT_DTYPES = ("auto", "fp32", "bf16", "fp16", "int8", "int4", "file")
 KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "16bit", "fp8", "int8", "8bit", "q8_0")

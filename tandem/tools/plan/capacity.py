@@ -36,7 +36,7 @@ from tandem.tools.plan.arithmetic import (
 from tandem.tools.plan.devices import Device
 from tandem.tools.plan.flags import add_flags
 from tandem.tools.plan.formulas import add_formulas
-from tandem.tools.plan.presets import ModelSpec
+from tandem.tools.plan.model_spec import ModelSpec
 from tandem.tools.plan.text import gb
 
 

@@ -21,7 +21,8 @@ from tandem.tools.cli_errors import one_line_errors
 from tandem.tools.plan.arithmetic import KV_DTYPES, WEIGHT_DTYPES
 from tandem.tools.plan.capacity import plan
 from tandem.tools.plan.devices import DEVICES, Device, get_device, measure_host
-from tandem.tools.plan.presets import PRESETS, load_model
+from tandem.tools.plan.presets import PRESETS
+from tandem.tools.plan.readers import load_model
 from tandem.tools.plan.report import format_report
 
 _UNITS = {

@@ -26,7 +26,9 @@ from tandem.config import KV_CACHE_DTYPES
 from tandem.tools.plan import arithmetic as ar
 from tandem.tools.plan.capacity import plan
 from tandem.tools.plan.devices import Device, GiB, MiB
-from tandem.tools.plan.presets import PRESETS, ModelSpec, load_model
+from tandem.tools.plan.model_spec import ModelSpec
+from tandem.tools.plan.presets import PRESETS
+from tandem.tools.plan.readers import load_model
 
 TOLERANCE = 0.05  # planned vs allocated cache tokens may differ by this fraction
 
