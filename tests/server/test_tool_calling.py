@@ -241,7 +241,7 @@ def test_parallel_forced_calls_never_repeat_one(client):
             max_tokens=100, seed=seed, **HOT).choices[0]
         return [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
 
-    with ThreadPoolExecutor(16) as pool:
+    with ThreadPoolExecutor(50) as pool:
         made = list(pool.map(calls, range(100)))
     assert all(len(set(c)) == len(c) for c in made), [c for c in made if len(set(c)) < len(c)]
     assert sum(len(c) > 1 for c in made) >= 5  # parallel calls are still made
