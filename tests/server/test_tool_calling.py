@@ -350,6 +350,16 @@ def test_strict_tools_under_auto_call_only_valid_arguments(client):
     assert any(ch.message.content and not ch.message.tool_calls for ch in free)
 
 
+def test_a_response_format_beside_strict_tools_under_auto_wins(client):
+    """Both cannot hold: the response format the client asked for is the constraint,
+    as OpenAI lets the two be sent together (no 400)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}}
+    r = client.chat.completions.create(model="smollm2", messages=FOLLOW, tools=STRICT_TOOLS,
+                                       response_format=fmt, max_tokens=20, temperature=0)
+    assert json.loads(r.choices[0].message.content) in ({"ok": True}, {"ok": False})
+
+
 def _forced(text: str) -> dict:
     """A structured_outputs regex that makes the model write exactly ``text``."""
     return {"structured_outputs": {"regex": re.escape(text)}}
