@@ -238,7 +238,7 @@ def test_parallel_forced_calls_never_repeat_one(client):
     def calls(seed: int) -> list[tuple[str, str]]:
         choice = client.chat.completions.create(
             model="smollm2", messages=ask, tools=[tool], tool_choice="required",
-            max_tokens=100, seed=seed, **HOT).choices[0]
+            max_tokens=64, seed=seed, **HOT).choices[0]
         return [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
 
     with ThreadPoolExecutor(50) as pool:
