@@ -136,6 +136,18 @@ def test_function_call_output_as_parts(client):
                  {"type": "input_text", "text": "18 C"}]) == sent("sunny\n18 C")
 
 
+def test_a_cut_function_call_goes_back_in_the_input(client):
+    """A function_call item whose arguments max_output_tokens cut (an agent keeps what it
+    got) is accepted back in the input, its raw text rendered: a 200, not a 400."""
+    r = client.responses.create(
+        model="smollm2", max_output_tokens=16, tools=[WEATHER], input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+             "arguments": '{"city": "Paris", "unit":'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "error: cut"}])
+    assert r.status in ("completed", "incomplete")
+
+
 def test_stream_function_call_named(client):
     with client.responses.stream(model="smollm2", input="Weather in Rome?", tools=[WEATHER],
                                  tool_choice={"type": "function", "name": "get_weather"},
