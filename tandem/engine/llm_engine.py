@@ -469,7 +469,11 @@ def parameter_count(cfg: ModelConfig) -> int:
         per_layer += 2 * d
     embed = v * h
     head = 0 if cfg.tie_word_embeddings else v * h
-    return embed + cfg.num_hidden_layers * per_layer + h + head
+    moe = 0
+    if cfg.moe is not None:  # its layers' experts and router in place of the dense MLP
+        e = cfg.moe.num_experts
+        moe = len(cfg.moe.layers) * (e * 3 * h * cfg.moe.intermediate_size + e * h - 3 * h * inter)
+    return embed + cfg.num_hidden_layers * per_layer + moe + h + head
 
 
 def served_quantization(engine: LLMEngine) -> str:
@@ -477,7 +481,7 @@ def served_quantization(engine: LLMEngine) -> str:
     file's few Q6_K matrices run as int8 beside its int4 majority)."""
     by_level: dict[str, int] = {}
     for layer in engine.model.layers:
-        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+        for lin in layer.matmuls:
             level = quantization_level(lin)
             by_level[level] = by_level.get(level, 0) + lin.nbytes
     return max(by_level, key=by_level.__getitem__)

@@ -7,7 +7,8 @@ from typing import Any
 
 # transformers' config classes for these model types default tie_word_embeddings
 # to False; PretrainedConfig, and so most other types, to True.
-_UNTIED_BY_DEFAULT = frozenset({"llama", "mistral", "phi3", "qwen2", "qwen3"})
+_UNTIED_BY_DEFAULT = frozenset({"llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe",
+                                "qwen3moe"})
 
 
 def tie_word_embeddings(cfg: dict[str, Any], model_type: str | None = None) -> bool:
@@ -28,7 +29,7 @@ def sliding_window(cfg: dict[str, Any], family: str,
     3's rotate by their own base, window or not).
 
     HF's Mistral and Phi-3 window every layer when ``sliding_window`` is set;
-    Qwen2/Qwen3 only with ``use_sliding_window``, and only the layers from
+    Qwen2/Qwen3(-MoE) only with ``use_sliding_window``, and only the layers from
     ``max_window_layers`` on (``layer_types`` in transformers 5); Gemma the
     "sliding_attention" ones of ``layer_types``, else all but every
     ``sliding_window_pattern``-th (Gemma 3's 6; Gemma 2's 2: the even ones);
@@ -45,7 +46,7 @@ def sliding_window(cfg: dict[str, Any], family: str,
             types[i] == "sliding_attention" if types is not None else (i + 1) % pattern))
     elif family == "llama" or not window:
         return None, ()
-    elif family in ("qwen2", "qwen3"):
+    elif family in ("qwen2", "qwen3", "qwen3moe"):
         if not cfg.get("use_sliding_window"):
             return None, ()
         if types is not None:

@@ -1,6 +1,7 @@
 """The Llama family (Llama 2/3, SmolLM), Mistral, Phi-3, Qwen2 (q/k/v bias), Qwen3 (q/k norm),
-Gemma 2 and 3 (GeGLU, norms on each block's output too, a scaled embedding; Gemma 2's
-soft-capped logits, Gemma 3's local and global RoPE).
+Qwen3-MoE (sparse mixture-of-experts MLPs: tandem.model.moe), Gemma 2 and 3 (GeGLU, norms on
+each block's output too, a scaled embedding; Gemma 2's soft-capped logits, Gemma 3's local and
+global RoPE).
 
 Written for the serving hot path, not for training: the batch is one flat
 sequence of tokens from many requests ([T, hidden]); Q/K/V and gate/up are
@@ -31,6 +32,7 @@ from tandem.model.attention import AttentionMetadata, paged_attention
 from tandem.model.hf_config import sliding_window, tie_word_embeddings
 from tandem.model.kv_cache import KVCache
 from tandem.model.linear import DenseLinear, Linear
+from tandem.model.moe import MoEConfig, SparseMoE
 
 # HF architecture -> family. All share one layout; Phi-3's checkpoints hold
 # Q/K/V and gate/up already fused (qkv_proj, gate_up_proj); Gemma adds to it
@@ -43,6 +45,7 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3moe",
 }
 # Gemma 3 4B-27B checkpoints (Gemma3ForConditionalGeneration: the text model beside a
 # vision tower) nest the text model's config under text_config, leaving out what
@@ -93,6 +96,7 @@ class ModelConfig:
     local_rope_theta: float | None = None  # windowed layers' RoPE base, unscaled (None: global)
     attn_softcap: float | None = None  # attention scores cap * tanh(s / cap) (Gemma 2)
     final_softcap: float | None = None  # the logits, likewise
+    moe: MoEConfig | None = None  # the sparse MLP layers' router and experts (Qwen3-MoE)
 
     @property
     def family(self) -> str:
@@ -174,7 +178,7 @@ class ModelConfig:
                 max_position_embeddings=max_pos,
                 tie_word_embeddings=tie_word_embeddings(cfg, family),
                 attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
-                qk_norm=family in ("qwen3", "gemma3"),
+                qk_norm=family in ("qwen3", "qwen3moe", "gemma3"),
                 rope_scaling=rope_scaling,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_id=cfg.get("eos_token_id"),
@@ -188,6 +192,7 @@ class ModelConfig:
                 local_rope_theta=local_theta,
                 attn_softcap=None if softcaps[0] is None else float(softcaps[0]),
                 final_softcap=None if softcaps[1] is None else float(softcaps[1]),
+                moe=MoEConfig.from_hf(cfg, family),
             )
             rope_inv_freq(c)  # an unsupported rope_scaling fails here, before any weight is read
             return c
@@ -226,15 +231,17 @@ def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 class Layer:
-    """One decoder layer's weights: norms as tensors, matmuls as Linear objects."""
+    """One decoder layer's weights: norms as tensors, matmuls as Linear objects;
+    the MLP is gate_up and down, or (an MoE layer) ``moe`` and neither."""
 
     def __init__(self, w: dict) -> None:
         self.input_norm = w["input_layernorm"]
         self.post_norm = w["post_attention_layernorm"]
         self.qkv: Linear = w["qkv"]  # hidden -> (H + 2 Hkv) * D, with Qwen2's bias
         self.o: Linear = w["o"]  # H * D -> hidden
-        self.gate_up: Linear = w["gate_up"]  # hidden -> 2 * inter
-        self.down: Linear = w["down"]  # inter -> hidden
+        self.moe: SparseMoE | None = w.get("moe")
+        self.gate_up: Linear | None = w.get("gate_up")  # hidden -> 2 * inter
+        self.down: Linear | None = w.get("down")  # inter -> hidden
         self.window: int = w.get("window", 0)  # sliding window keys (0: full attention)
         self.local_rope: bool = w.get("local_rope", False)  # the windowed layers' RoPE tables
         self.q_norm = w.get("q_norm")
@@ -242,6 +249,12 @@ class Layer:
         # Gemma's norms on the attention and MLP outputs, before each residual add.
         self.attn_out_norm = w.get("attn_out_norm")
         self.mlp_out_norm = w.get("mlp_out_norm")
+
+    @property
+    def matmuls(self) -> tuple[Linear, ...]:
+        """The layer's Linear matmuls (an MoE layer's experts are not among them)."""
+        return tuple(lin for lin in (self.qkv, self.o, self.gate_up, self.down)
+                     if lin is not None)
 
 
 class ReferenceOps:
@@ -374,6 +387,10 @@ class LlamaModel:
         if self.embed_scale is not None:
             x = x * self.embed_scale
         act = self.cfg.activation
+
+        def act_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+            return ops.act_and_mul(gate_up, act)
+
         for layer, cache, meta in zip(self.layers, kv_caches, metas, strict=True):
             qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, eps)).view(t, h + 2 * hkv, d)
             if layer.q_norm is not None:  # a fresh tensor: normalized in place
@@ -384,12 +401,14 @@ class LlamaModel:
             attn = paged_attention(q, cache, meta, self.scale, layer.window, self.attn_softcap)
             if layer.attn_out_norm is None:
                 x = layer.o.add(x, attn)
-                x = layer.down.add(x, ops.act_and_mul(
-                    layer.gate_up(ops.rms_norm(x, layer.post_norm, eps)), act))
+                if layer.moe is not None:
+                    x = x + layer.moe(ops.rms_norm(x, layer.post_norm, eps), act_and_mul)
+                else:
+                    x = layer.down.add(x, act_and_mul(
+                        layer.gate_up(ops.rms_norm(x, layer.post_norm, eps))))
             else:  # the residual adds what the output norms make of each block's output
                 x = x + ops.rms_norm(layer.o(attn), layer.attn_out_norm, eps)
-                y = layer.down(ops.act_and_mul(
-                    layer.gate_up(ops.rms_norm(x, layer.post_norm, eps)), act))
+                y = layer.down(act_and_mul(layer.gate_up(ops.rms_norm(x, layer.post_norm, eps))))
                 x = x + ops.rms_norm(y, layer.mlp_out_norm, eps)
         if logits_indices is None:
             return None
@@ -411,8 +430,8 @@ class LlamaModel:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of weights one decode step reads: every layer matmul and the LM head."""
+        """Bytes of weights one decode step reads: every layer matmul and the LM head
+        (and every expert: the most an MoE step reads)."""
         return self.lm_head.nbytes + sum(
-            lin.nbytes for layer in self.layers
-            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        )
+            sum(lin.nbytes for lin in layer.matmuls) + (layer.moe.nbytes if layer.moe else 0)
+            for layer in self.layers)

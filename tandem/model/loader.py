@@ -35,6 +35,7 @@ from tandem.model.linear import (
     quantize_int8_groups,
 )
 from tandem.model.llama import LlamaModel, ModelConfig
+from tandem.model.moe import SparseMoE
 from tandem.paths import default_model_path
 
 logger = logging.getLogger(__name__)
@@ -132,13 +133,20 @@ class DummyWeights:
             p = f"model.layers.{i}."
             if cfg.family == "phi3":
                 s[p + "self_attn.qkv_proj.weight"] = ((nh + 2 * nkv) * hd, hidden)
-                s[p + "mlp.gate_up_proj.weight"] = (2 * inter, hidden)
             else:
                 s[p + "self_attn.q_proj.weight"] = (nh * hd, hidden)
                 s[p + "self_attn.k_proj.weight"] = (nkv * hd, hidden)
                 s[p + "self_attn.v_proj.weight"] = (nkv * hd, hidden)
-                s[p + "mlp.gate_proj.weight"] = (inter, hidden)
-                s[p + "mlp.up_proj.weight"] = (inter, hidden)
+            if cfg.moe is not None and i in cfg.moe.layers:
+                s |= {p + "mlp." + n: shape
+                      for n, shape in cfg.moe.expert_shapes(hidden).items()}
+            else:
+                if cfg.family == "phi3":
+                    s[p + "mlp.gate_up_proj.weight"] = (2 * inter, hidden)
+                else:
+                    s[p + "mlp.gate_proj.weight"] = (inter, hidden)
+                    s[p + "mlp.up_proj.weight"] = (inter, hidden)
+                s[p + "mlp.down_proj.weight"] = (hidden, inter)
             s[p + "self_attn.o_proj.weight"] = (hidden, nh * hd)
             if cfg.attention_bias:
                 for n, k in (("q", nh), ("k", nkv), ("v", nkv)):
@@ -146,7 +154,6 @@ class DummyWeights:
             if cfg.qk_norm:
                 s[p + "self_attn.q_norm.weight"] = (hd,)
                 s[p + "self_attn.k_norm.weight"] = (hd,)
-            s[p + "mlp.down_proj.weight"] = (hidden, inter)
             s[p + "input_layernorm.weight"] = (hidden,)
             s[p + "post_attention_layernorm.weight"] = (hidden,)
             if cfg.sandwich_norms:
@@ -351,6 +358,9 @@ def fuse_weights(
         return make_linear(w, bias, kind, alloc)
 
     quantized = quantization in ("int8", "int4") or (quantization == "auto" and src.quantized)
+    if quantized and cfg.moe is not None:
+        raise ValueError(f"{cfg.architecture}: quantized expert weights are not supported yet; "
+                         "serve it unquantized (--quantization none, float weights)")
     guard = None
     if memory_reserve is not None and device.type == "cpu":
         held_as = (quantization if quantization in ("int8", "int4") else
@@ -409,19 +419,17 @@ def fuse_weights(
         qkv_bias = None
         if cfg.attention_bias:
             qkv_bias = torch.cat([put(take(a + f"{n}_proj.bias")) for n in "qkv"])
-        if cfg.family == "phi3":  # stored fused, in tandem's order (q, k, v; gate, up)
-            qkv = [take(a + "qkv_proj.weight")]
-            gate_up = [take(m + "gate_up_proj.weight")]
+        phi3 = cfg.family == "phi3"  # stored fused, in tandem's order (q, k, v; gate, up)
+        qkv = ([take(a + "qkv_proj.weight")] if phi3 else
+               [take(a + f"{n}_proj.weight") for n in "qkv"])
+        w: dict = {"qkv": lin(qkv, qkv_bias), "o": lin([take(a + "o_proj.weight")])}
+        if cfg.moe is not None and i in cfg.moe.layers:
+            w["moe"] = SparseMoE.load(cfg.moe, take, put, alloc, m)
         else:
-            qkv = [take(a + f"{n}_proj.weight") for n in "qkv"]
-            gate_up = [take(m + "gate_proj.weight"), take(m + "up_proj.weight")]
-        w = {
-            "qkv": lin(qkv, qkv_bias),
-            "o": lin([take(a + "o_proj.weight")]),
-            "gate_up": lin(gate_up),
-            "down": lin([take(m + "down_proj.weight")]),
-            "input_layernorm": norm(p + "input_layernorm.weight"),
-        }
+            w["gate_up"] = lin([take(m + "gate_up_proj.weight")] if phi3 else
+                               [take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+            w["down"] = lin([take(m + "down_proj.weight")])
+        w["input_layernorm"] = norm(p + "input_layernorm.weight")
         if cfg.sandwich_norms:  # Gemma: HF's post_attention_layernorm is attention's output's
             w["post_attention_layernorm"] = norm(p + "pre_feedforward_layernorm.weight")
             w["attn_out_norm"] = norm(p + "post_attention_layernorm.weight")

@@ -30,8 +30,7 @@ MAX_BATCH = 64
 
 
 def _matmuls(model: LlamaModel) -> list:
-    return [lin for layer in model.layers
-            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return [lin for layer in model.layers for lin in layer.matmuls]
 
 
 class DecodeStep:
@@ -74,9 +73,10 @@ class DecodeStep:
 
     @staticmethod
     def supports(model: LlamaModel) -> bool:
-        """Built kernels, CPU fp32 activations (model.fused) and every matmul
-        of a kind the step runs (the C++ side checks the shapes)."""
-        return model.fused and all(
+        """Built kernels, CPU fp32 activations (model.fused), no mixture-of-experts
+        layer (the C++ layer is a dense MLP) and every matmul of a kind the step
+        runs (the C++ side checks the shapes)."""
+        return model.fused and all(layer.moe is None for layer in model.layers) and all(
             lin.step_args is not None for lin in (*_matmuls(model), model.lm_head))
 
     def __call__(self, tokens: torch.Tensor, block_tables: torch.Tensor
