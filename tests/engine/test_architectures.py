@@ -1,6 +1,7 @@
-"""Llama, Mistral, Phi-3, Qwen2 (q/k/v biases), Qwen3 (q/k norms), Gemma 2 and 3 against HF
-on tiny random models, through the one-call decode step, the per-op CPU kernels and the torch
-reference paths; what tandem would compute differently from HF is refused by name."""
+"""Llama, Mistral, Phi-3, Qwen2 (q/k/v biases), Qwen3 (q/k norms), Qwen3-MoE, Gemma 2 and 3
+against HF on tiny random models, through the one-call decode step (not MoE's), the per-op CPU
+kernels and the torch reference paths; what tandem would compute differently from HF is
+refused by name."""
 
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ def hf_model(arch: str, **overrides):
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
@@ -65,7 +67,7 @@ def hf_model(arch: str, **overrides):
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.data.uniform_(-0.5, 0.5)
-    if arch == "qwen3":  # random q/k norm weights, so a skipped norm would show
+    if arch in ("qwen3", "qwen3moe"):  # random q/k norm weights, so a skipped norm would show
         for layer in model.model.layers:
             layer.self_attn.q_norm.weight.data.uniform_(0.5, 1.5)
             layer.self_attn.k_norm.weight.data.uniform_(0.5, 1.5)
@@ -100,13 +102,18 @@ def test_tiny_models_match_hf(arch, overrides, tmp_path):
     hf.save_pretrained(tmp_path)
     engine = _engine(tmp_path)
     assert engine.model_config.family == arch
+    _assert_matches_hf(engine, hf, CPU_PATHS)
+
+
+def _assert_matches_hf(engine: LLMEngine, hf, paths: tuple[str, ...]) -> None:
+    """HF's logits of a prompt and greedy ids of PROMPTS on each of ``paths``."""
     n = 12
     with torch.no_grad():
         ref_logits = hf(torch.tensor([PROMPTS[2]])).logits[0]
         want = [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
                             eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
                 for p in PROMPTS]
-    for path in CPU_PATHS:
+    for path in paths:
         with cpu_path(engine, path):
             torch.testing.assert_close(engine.score_tokens(PROMPTS[2]), ref_logits,
                                        atol=1e-4, rtol=1e-4)
@@ -116,6 +123,43 @@ def test_tiny_models_match_hf(arch, overrides, tmp_path):
             while engine.has_unfinished_requests():
                 engine.step()
         assert [r.output_token_ids for r in reqs] == want, path
+
+
+# Qwen3-MoE's shape: 8 experts of 32, 2 per token; the MoE layers as the overrides say.
+QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(norm_topk_prob=True),
+    dict(norm_topk_prob=False),
+    dict(norm_topk_prob=True, mlp_only_layers=[0]),  # layer 0 a dense MLP
+    dict(norm_topk_prob=False, decoder_sparse_step=2),  # only layer 1 sparse
+], ids=["norm-topk", "raw-topk", "mlp-only-0", "sparse-step-2"])
+def test_qwen3_moe_matches_hf(overrides, tmp_path):
+    """Qwen3-MoE (softmax router, top-2 of 8 experts) on the per-op kernels and
+    torch paths; the one-call decode step refuses its MoE layers, so every step
+    runs LlamaModel.forward."""
+    hf = hf_model("qwen3moe", **QWEN3_MOE, **overrides)
+    hf.save_pretrained(tmp_path)
+    engine = _engine(tmp_path)
+    moe = engine.model_config.moe
+    dense = {0} if overrides.get("mlp_only_layers") or overrides.get("decoder_sparse_step") else ()
+    assert moe is not None and moe.layers == tuple(i for i in range(2) if i not in dense)
+    assert engine.runner.decode_step is None
+    layer = engine.model.layers[moe.layers[0]]
+    assert layer.gate_up is None and layer.moe.gate_up.shape == (8, 64, COMMON["hidden_size"])
+    # The prompt's tokens route to more experts than one token's 2: the groups are real.
+    x = torch.randn(len(PROMPTS[2]), COMMON["hidden_size"])
+    assert len(layer.moe.route(x)[0].unique()) > 4
+    _assert_matches_hf(engine, hf, ("per-op-kernels", "torch-reference"))
+
+
+def test_quantized_experts_are_refused():
+    cfg = ModelConfig.from_hf(_cfg("Qwen3MoeForCausalLM", **QWEN3_MOE))
+    for q in ("int8", "int4"):
+        with pytest.raises(ValueError, match="quantized expert weights are not supported"):
+            fuse_weights(cfg, DummyWeights(cfg, torch.float32, seed=0), torch.float32,
+                         torch.device("cpu"), q)
 
 
 def _greedy(hf, prompt: list[int], n: int) -> list[int]:
@@ -208,6 +252,8 @@ def test_qwen_sliding_window_only_where_hf_uses_it(overrides, window, layers):
     ("Phi3ForCausalLM", dict(rope_parameters=dict(rope_theta=1e4, partial_rotary_factor=0.5)),
      "partial_rotary_factor 0.5"),
     ("GemmaForCausalLM", {}, "unsupported architecture"),
+    ("Qwen3MoeForCausalLM", dict(use_sliding_window=True, sliding_window=24),
+     "use_sliding_window"),
     ("Gemma3ForCausalLM", dict(layer_types=["full_attention"]), "layer_types has 1 entries"),
     ("Gemma3ForCausalLM", dict(hidden_activation="gelu"), "hidden_activation 'gelu'"),
     # EmbeddingGemma attends both ways.
@@ -296,7 +342,8 @@ def test_transformers5_rope_parameters_are_read(tmp_path):
 @pytest.mark.parametrize("arch", sorted(SUPPORTED_ARCHITECTURES))
 def test_dummy_weights_have_each_architectures_names(arch):
     """--load-format dummy makes exactly the tensors the loader takes, for every family."""
-    extra = dict(attention_bias=True) if arch == "LlamaForCausalLM" else {}
+    extra = (dict(attention_bias=True) if arch == "LlamaForCausalLM" else
+             dict(**QWEN3_MOE, mlp_only_layers=[0]) if arch == "Qwen3MoeForCausalLM" else {})
     cfg = ModelConfig.from_hf(_cfg(arch, **extra))
     src = DummyWeights(cfg, torch.float32, seed=0)
     weights = fuse_weights(cfg, src, torch.float32, torch.device("cpu"))
@@ -305,3 +352,5 @@ def test_dummy_weights_have_each_architectures_names(arch):
     assert weights["layers"][0]["qkv"].w.shape == ((h + 2 * hkv) * hd, cfg.hidden_size)
     assert weights["layers"][0]["gate_up"].w.shape == (2 * cfg.intermediate_size,
                                                        cfg.hidden_size)
+    if cfg.moe is not None:  # layer 1 sparse
+        assert weights["layers"][1]["moe"].down.shape == (8, cfg.hidden_size, 32)
