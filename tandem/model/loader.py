@@ -83,6 +83,7 @@ class SafetensorsWeights:
 
     quantized = False
     norms_plus_one = False  # Gemma's RMSNorm weights are stored as HF has them: w, not 1 + w
+    stacked_experts = False  # HF's checkpoints hold each expert's matrices
 
     def __init__(self, model_dir: Path) -> None:
         files = sorted(model_dir.glob("*.safetensors"))
@@ -121,6 +122,7 @@ class DummyWeights:
 
     quantized = False
     norms_plus_one = True  # norms of 1 are what every family's norms multiply by
+    stacked_experts = False
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, seed: int) -> None:
         self.dtype, self.seed = dtype, seed
@@ -424,7 +426,7 @@ def fuse_weights(
                [take(a + f"{n}_proj.weight") for n in "qkv"])
         w: dict = {"qkv": lin(qkv, qkv_bias), "o": lin([take(a + "o_proj.weight")])}
         if cfg.moe is not None and i in cfg.moe.layers:
-            w["moe"] = SparseMoE.load(cfg.moe, take, put, alloc, m)
+            w["moe"] = SparseMoE.load(cfg.moe, take, put, alloc, m, src.stacked_experts)
         else:
             w["gate_up"] = lin([take(m + "gate_up_proj.weight")] if phi3 else
                                [take(m + "gate_proj.weight"), take(m + "up_proj.weight")])

@@ -91,14 +91,21 @@ class SparseMoE:
 
     @classmethod
     def load(cls, cfg: MoEConfig, take: Callable[[str], Any], put: Put, empty: Empty | None,
-             prefix: str) -> SparseMoE:
+             prefix: str, stacked: bool = False) -> SparseMoE:
         """The layer's experts taken by HF name under ``prefix`` (``...mlp.``), one
-        at a time into their stacked tensors (``empty``: where those live)."""
+        at a time into their stacked tensors (``empty``: where those live);
+        ``stacked``: the source holds each matrix of all experts as one 3-D
+        tensor, ``experts.{gate,up,down}_proj.weight`` (a GGUF's ffn_*_exps)."""
         router = put(take(prefix + "gate.weight"))
         e, i, hidden = cfg.num_experts, cfg.intermediate_size, router.shape[1]
         new = empty or (lambda shape, dtype: torch.empty(shape, dtype=dtype,
                                                          device=router.device))
         gate_up, down = new((e, 2 * i, hidden), router.dtype), new((e, hidden, i), router.dtype)
+        if stacked:
+            gate_up[:, :i] = put(take(prefix + "experts.gate_proj.weight"))
+            gate_up[:, i:] = put(take(prefix + "experts.up_proj.weight"))
+            down.copy_(put(take(prefix + "experts.down_proj.weight")))
+            return cls(cfg, router, gate_up, down)
         for j in range(e):
             p = f"{prefix}experts.{j}."
             gate_up[j, :i] = put(take(p + "gate_proj.weight"))

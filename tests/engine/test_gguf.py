@@ -3,7 +3,7 @@
 transformers dequantizes GGUF files and reverses llama.cpp's Q/K permutation
 itself; equality with its state dict is the proof our conversion is right.
 Tiny synthetic GGUFs (gguf.GGUFWriter) cover what the real model cannot:
-qwen3, GQA un-permutation, llama3 rope_freqs, unsupported architectures.
+qwen3, qwen3moe, GQA un-permutation, llama3 rope_freqs, unsupported architectures.
 """
 
 from __future__ import annotations
@@ -886,3 +886,92 @@ def test_qwen2_conversion_matches_transformers(cache_root):
     assert tok.stop_token_ids == [151645, 151643]
     text = tok.render_chat([{"role": "user", "content": "hi"}])
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def _write_qwen3moe_gguf(path: Path, *, exps_qtype: str = "F32", norm: bool = True):
+    """A tiny qwen3moe GGUF as llama.cpp lays it out (every MLP sparse, each expert
+    matrix one 3-D ffn_*_exps tensor; no dense feed_forward_length) from a random
+    HF Qwen3MoeForCausalLM, which it returns."""
+    import gguf
+    import transformers
+    from gguf.quants import quantize
+
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    vocab = _add_tiny_tokenizer(w)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+        initializer_range=0.3, tie_word_embeddings=False)).eval()
+    for name, p in hf.named_parameters():
+        if name.endswith("norm.weight"):  # random, so a skipped norm would show
+            p.data.uniform_(0.5, 1.5)
+    c = hf.config
+    w.add_block_count(2)
+    w.add_context_length(512)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_key_length(16)
+    w.add_value_length(16)
+    w.add_rope_dimension_count(16)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(8)
+    w.add_expert_used_count(2)
+    w.add_expert_feed_forward_length(32)
+    if not norm:
+        w.add_expert_weights_norm(False)
+    sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             **{f"self_attn.{n}_proj": f"attn_{n}" for n in "qkv"},
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        for hf_name, g in names.items():
+            w.add_tensor(f"blk.{i}.{g}.weight", sd[p + hf_name + ".weight"])
+        gate_up = sd[p + "mlp.experts.gate_up_proj"]  # [E, 2I, H]: gate rows, then up rows
+        for g, a in (("gate", gate_up[:, :32]), ("up", gate_up[:, 32:]),
+                     ("down", sd[p + "mlp.experts.down_proj"])):
+            a = np.ascontiguousarray(a)
+            if exps_qtype == "F32":
+                w.add_tensor(f"blk.{i}.ffn_{g}_exps.weight", a)
+            else:
+                kind = gguf.GGMLQuantizationType[exps_qtype]
+                w.add_tensor(f"blk.{i}.ffn_{g}_exps.weight", quantize(a, kind), None, kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["norm-topk", "raw-topk"])
+def test_tiny_qwen3moe_gguf_serves_as_hf_computes(tmp_path, monkeypatch, norm):
+    """A qwen3moe GGUF (expert_count, expert_used_count, expert_feed_forward_length;
+    ffn_gate_inp and 3-D ffn_*_exps) serves the logits and greedy ids of the HF
+    model it was written from, on the per-op kernels and torch paths."""
+    from .test_architectures import _assert_matches_hf, _engine
+
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "tiny-qwen3moe.gguf"
+    hf = _write_qwen3moe_gguf(src, norm=norm)
+    engine = _engine(src)
+    cfg = engine.model_config
+    assert cfg.architecture == "Qwen3MoeForCausalLM" and cfg.intermediate_size == 32
+    assert cfg.moe is not None and cfg.moe.layers == (0, 1)
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.norm_topk_prob) == (8, 2, norm)
+    assert engine.runner.decode_step is None
+    _assert_matches_hf(engine, hf, ("per-op-kernels", "torch-reference"))
+
+
+def test_quantized_qwen3moe_experts_are_refused_by_name(tmp_path):
+    src = tmp_path / "q8-experts.gguf"
+    _write_qwen3moe_gguf(src, exps_qtype="Q8_0")
+    with pytest.raises(ValueError, match=r"quantized expert tensors \(blk.0.ffn_gate_exps"):
+        tg.gguf_to_hf_dir(src, cache_root=tmp_path / "cache")

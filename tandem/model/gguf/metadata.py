@@ -23,7 +23,11 @@ _ARCHITECTURES = {
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
+
+# The float GGML types (any other is a block format).
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 
 # Control tokens llama.cpp also treats as end-of-generation (llama-vocab.cpp):
@@ -70,6 +74,17 @@ _PHI3_LAYER_NAMES = {
     **{k: v for k, v in _LAYER_NAMES.items() if k != "ffn_up.weight"},
     "attn_qkv.weight": "self_attn.qkv_proj.weight",
     "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
+
+
+# Qwen3-MoE's every MLP is sparse: the router and each expert matrix stacked 3-D [E, ...],
+# kept stacked under HF-like names (tandem.model.moe.SparseMoE.load).
+_QWEN3MOE_LAYER_NAMES = {
+    **{k: v for k, v in _LAYER_NAMES.items() if not k.startswith("ffn_") or k == "ffn_norm.weight"},
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
 }
 
 
@@ -187,7 +202,9 @@ def _hf_config(reader, arch: str, tensors: dict, src: Path) -> tuple[dict, str |
     n_layers = need("block_count")
     n_heads = need("attention.head_count")
     n_kv = need("attention.head_count_kv") if get("attention.head_count_kv") else n_heads
-    ffn = need("feed_forward_length")
+    # qwen3moe files may have no dense MLP size: every layer is sparse.
+    ffn = need("feed_forward_length" if arch != "qwen3moe" or get("feed_forward_length")
+               else "expert_feed_forward_length")
     rope_dims = get("rope.dimension_count")
     if arch == "phi3":  # its rope.dimension_count is the rotated part of a head
         head_dim = int(get("attention.key_length") or hidden // n_heads)
@@ -233,6 +250,12 @@ def _hf_config(reader, arch: str, tensors: dict, src: Path) -> tuple[dict, str |
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if get(key) is not None:
                 config[key] = float(get(key))
+    if arch == "qwen3moe":  # llama.cpp renormalizes qwen3moe's top-k weights unless told not to
+        if get("expert_gating_func", 1) != 1 or get("expert_shared_count", 0):
+            raise ValueError(f"{src}: only a softmax router without shared experts is supported")
+        config.update(num_experts=need("expert_count"), num_experts_per_tok=need(
+            "expert_used_count"), moe_intermediate_size=need("expert_feed_forward_length"),
+            norm_topk_prob=bool(get("expert_weights_norm", True)))
     if arch == "gemma3":  # Ollama's files may name the windowed layers' RoPE base
         config["rope_local_base_freq"] = float(get("rope.local.freq_base", 10000.0))
     special = (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding"))
@@ -297,7 +320,8 @@ def _tensor_names(tensors: dict, config: dict, arch: str, src: Path, skip: set) 
     needs; heads: llama's Q/K rows to unpermute (their head count), else None."""
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     layer_names = {"phi3": _PHI3_LAYER_NAMES, "gemma2": _GEMMA_LAYER_NAMES,
-                   "gemma3": _GEMMA_LAYER_NAMES}.get(arch, _LAYER_NAMES)
+                   "gemma3": _GEMMA_LAYER_NAMES, "qwen3moe": _QWEN3MOE_LAYER_NAMES,
+                   }.get(arch, _LAYER_NAMES)
     names, unknown = {}, []
     for gname, t in tensors.items():
         if gname in skip:
@@ -313,6 +337,9 @@ def _tensor_names(tensors: dict, config: dict, arch: str, src: Path, skip: set) 
         if hf is None:
             unknown.append(gname)
             continue
+        if "_exps." in gname and t.tensor_type.name not in FLOAT_TYPES:
+            raise ValueError(f"{src}: quantized expert tensors ({gname}: "
+                             f"{t.tensor_type.name}) are not supported yet")
         heads = None
         if arch == "llama" and ".attn_q." in gname:
             heads = n_heads
@@ -341,8 +368,12 @@ def _expected_names(config: dict, arch: str) -> set[str]:
     }
     if arch == "qwen2":
         layer |= {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"}
-    if arch in ("qwen3", "gemma3"):
+    if arch in ("qwen3", "qwen3moe", "gemma3"):
         layer |= {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+    if arch == "qwen3moe":
+        layer -= {"mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"}
+        layer |= {"mlp.gate.weight", *(f"mlp.experts.{n}_proj.weight" for n in
+                                       ("gate", "up", "down"))}
     if arch in ("gemma2", "gemma3"):
         layer |= {"pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"}
     if arch == "phi3":

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tandem.model.gguf.blocks import BLOCK_DECODERS, quantized_weight
-from tandem.model.gguf.metadata import BadMetadata, checked
+from tandem.model.gguf.metadata import FLOAT_TYPES, BadMetadata, checked
 
 TENSORS_FILE = "gguf_tensors.json"  # beside config.json in gguf_to_hf_dir's directory
 
@@ -55,6 +55,7 @@ class GGUFWeights:
 
     # llama.cpp's converter writes Gemma's RMSNorm weights as 1 + w (what they multiply by).
     norms_plus_one = True
+    stacked_experts = True  # an MoE layer's experts are 3-D tensors (ffn_*_exps)
 
     def __init__(self, src: Path, converted: Path | None = None) -> None:
         self.src = src
@@ -69,7 +70,7 @@ class GGUFWeights:
                 raise ValueError(f"{src} is not a valid GGUF file: {e}") from e
             self._names = {hf: (StoredTensor.of(t), heads) for hf, (t, heads) in names.items()}
         # Are the 2-D weights stored quantized (then --quantization auto keeps them so)?
-        self.quantized = any(len(t.shape) == 2 and t.type not in _FLOAT_TYPES
+        self.quantized = any(len(t.shape) == 2 and t.type not in FLOAT_TYPES
                              for t, _ in self._names.values())
         self.num_tensors = len(self._names)
         self.nbytes = sum(t.n_bytes for t, _ in self._names.values())
@@ -93,7 +94,7 @@ class GGUFWeights:
         if np.may_share_memory(w, data):  # F32 as stored: the model's own copy, not the mapping
             w = w.copy()
         w = torch.from_numpy(w)
-        if kind in _FLOAT_TYPES or w.dim() != 2:
+        if kind in FLOAT_TYPES or w.dim() != 2:
             return w
         # A block format without a kernel of tandem's: int8 in groups of 32.
         from tandem.model.linear import quantize_int8_groups
@@ -124,9 +125,6 @@ def _mapped(src: Path, t: StoredTensor) -> torch.Tensor:
                 raise ValueError(f"{src}: tensor {t.name} is truncated") from None
         return torch.from_numpy(buf)
     return torch.frombuffer(m, dtype=torch.uint8, count=t.n_bytes, offset=t.data_offset - start)
-
-
-_FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 
 def dequantized(src: Path, t: StoredTensor, heads: int | None, data: np.ndarray) -> np.ndarray:
