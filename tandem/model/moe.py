@@ -5,9 +5,11 @@ A step runs only the experts some token routes to, each once for all of its
 tokens: the step's (token, expert) pairs are sorted by expert, each touched
 expert's gate/up and down run on its group of rows, and the weighted outputs
 are scatter-added back. What a decode step reads thus grows with the number
-of distinct experts the batch touches, not with E. The experts are stacked at
-load into [E, 2I, hidden] (gate, up) and [E, hidden, I] (down) in the model's
-float dtype; quantized experts are refused (tandem.model.loader).
+of distinct experts the batch touches, not with E. The group sizes are read
+on the host (one sync per MoE layer on a GPU). The experts are stacked at load
+into [E, 2I, hidden] (gate, up) and [E, hidden, I] (down) in the model's float
+dtype; quantized experts are refused (tandem.model.loader). The one-call C++
+decode step has no MoE layer: tandem.worker.decode_step refuses such models.
 """
 
 from __future__ import annotations
