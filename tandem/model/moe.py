@@ -103,16 +103,19 @@ class SparseMoE:
         new = empty or (lambda shape, dtype: torch.empty(shape, dtype=dtype,
                                                          device=router.device))
         gate_up, down = new((e, 2 * i, hidden), router.dtype), new((e, hidden, i), router.dtype)
-        if stacked:
-            gate_up[:, :i] = put(take(prefix + "experts.gate_proj.weight"))
-            gate_up[:, i:] = put(take(prefix + "experts.up_proj.weight"))
-            down.copy_(put(take(prefix + "experts.down_proj.weight")))
-            return cls(cfg, router, gate_up, down)
-        for j in range(e):
-            p = f"{prefix}experts.{j}."
-            gate_up[j, :i] = put(take(p + "gate_proj.weight"))
-            gate_up[j, i:] = put(take(p + "up_proj.weight"))
-            down[j] = put(take(p + "down_proj.weight"))
+
+        def into(dst: torch.Tensor, name: str) -> None:
+            t = put(take(name))
+            if t.shape != dst.shape:
+                raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}; {e} experts "
+                                 f"of {i} need {tuple(dst.shape)}")
+            dst.copy_(t)
+
+        parts = [(gate_up[:, :i], "gate_proj"), (gate_up[:, i:], "up_proj"), (down, "down_proj")]
+        for j in [None] if stacked else range(e):
+            p = f"{prefix}experts." if j is None else f"{prefix}experts.{j}."
+            for dst, name in parts:
+                into(dst if j is None else dst[j], f"{p}{name}.weight")
         return cls(cfg, router, gate_up, down)
 
     @property

@@ -15,6 +15,7 @@ from tandem.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.model.llama import SUPPORTED_ARCHITECTURES, ModelConfig
 from tandem.model.loader import DummyWeights, fuse_weights
+from tandem.model.moe import SparseMoE
 from tandem.sampling_params import SamplingParams
 
 from .cpu_paths import CPU_PATHS, cpu_path
@@ -160,6 +161,18 @@ def test_quantized_experts_are_refused():
         with pytest.raises(ValueError, match="quantized expert weights are not supported"):
             fuse_weights(cfg, DummyWeights(cfg, torch.float32, seed=0), torch.float32,
                          torch.device("cpu"), q)
+
+
+def test_experts_of_the_wrong_shape_are_named():
+    """Experts narrower than moe_intermediate_size says: a ValueError naming the tensor."""
+    moe = ModelConfig.from_hf(_cfg("Qwen3MoeForCausalLM", **QWEN3_MOE)).moe
+    hidden = COMMON["hidden_size"]
+
+    def take(name: str) -> torch.Tensor:
+        return torch.zeros(8 if name.endswith("mlp.gate.weight") else 16, hidden)
+
+    with pytest.raises(ValueError, match=r"'mlp.experts.0.gate_proj.weight' has shape \(16, 96\)"):
+        SparseMoE.load(moe, take, lambda t: t, None, "mlp.")
 
 
 def _greedy(hf, prompt: list[int], n: int) -> list[int]:
