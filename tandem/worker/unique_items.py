@@ -32,7 +32,6 @@ import numpy as np
 # follow earlier items are looked up instead, and any other allowed one is safe.
 ENUMERATE_MAX = 256
 _GAP = frozenset(b" \t\n\r,")
-_CLOSERS = frozenset(b"}]\"")
 
 
 def wants_unique_items(schema: Any) -> bool:
@@ -81,7 +80,7 @@ class ItemScanner:
                 if c == 0x5B:  # the array opens
                     self.depth = 1
                 continue
-            if self.depth == 1 and c in _GAP or self.depth == 1 and c == 0x5D:
+            if self.depth == 1 and (c in _GAP or c == 0x5D):
                 if self.cur and not self._finish():  # a scalar ends at its separator
                     return False
                 if c == 0x5D:
@@ -208,9 +207,12 @@ class UniqueItems:
         """After consuming ``t`` on ``matcher``: some allowed token avoids a copy."""
         if text in self._safe:
             return self._safe[text]
+        # Checked first: a refused consume would leave the request's own matcher in error.
+        if not matcher.validate_tokens([t]):
+            self._safe[text] = False
+            return False
         self._safe[text] = True  # a cycle (whitespace) is not a dead end
-        if not matcher.consume_token(t):  # t came from the mask: the matcher takes it
-            raise RuntimeError(f"the matcher refused token {t} its own mask allowed")
+        matcher.consume_token(t)
         try:
             if matcher.is_stopped():
                 return True

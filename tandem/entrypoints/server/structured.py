@@ -207,8 +207,7 @@ class ToolPlan:
                        else {"type": "object"}}
                       for i, name in enumerate(self.names)]
         c = _constraint("tools", structural_tag={"triggers": [trigger], "structures": structures})
-        c.yields = True
-        return c
+        return Constraint(c.params, c.param, yields=True)
 
     def parser(self) -> ToolCallParser | None:
         known = set(self.names)
